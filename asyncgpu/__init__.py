@@ -1,0 +1,69 @@
+"""asyncgpu: async/await GPU scheduling for Python.
+
+The Mojo/MAX ``DeviceContext`` API on NVIDIA's cuda-python, with every copy,
+kernel and CPU function awaitable, and a full CPU device for machines without a
+GPU. ``import asyncgpu`` needs no driver: the CUDA device is loaded on first use.
+"""
+
+from ._buffer import DeviceBuffer, HostBuffer
+from ._context import DeviceContext, default_api
+from ._errors import (
+    AsyncGPUError,
+    CompileError,
+    ContextClosedError,
+    DeviceError,
+    DeviceFaultError,
+    HealthCheckError,
+    NoDeviceError,
+    UnsupportedError,
+)
+from ._event import DeviceEvent
+from ._function import DeviceExternalFunction, DeviceFunction, Kernel, ThreadBlock, kernel
+from ._stream import DeviceStream
+from ._trace import Trace, TraceEdge, TraceNode
+from ._types import (
+    ConstantMemoryMapping,
+    DeviceAttribute,
+    Dim,
+    FuncAttribute,
+    GPUInfo,
+    LaunchAttribute,
+    LaunchAttributeID,
+    StreamPriorityRange,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncGPUError",
+    "CompileError",
+    "ConstantMemoryMapping",
+    "ContextClosedError",
+    "DeviceAttribute",
+    "DeviceBuffer",
+    "DeviceContext",
+    "DeviceError",
+    "DeviceEvent",
+    "DeviceExternalFunction",
+    "DeviceFaultError",
+    "DeviceFunction",
+    "DeviceStream",
+    "Dim",
+    "FuncAttribute",
+    "GPUInfo",
+    "HealthCheckError",
+    "HostBuffer",
+    "Kernel",
+    "LaunchAttribute",
+    "LaunchAttributeID",
+    "NoDeviceError",
+    "StreamPriorityRange",
+    "ThreadBlock",
+    "Trace",
+    "TraceEdge",
+    "TraceNode",
+    "UnsupportedError",
+    "__version__",
+    "default_api",
+    "kernel",
+]

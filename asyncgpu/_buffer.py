@@ -1,0 +1,367 @@
+"""DeviceBuffer and HostBuffer: typed, stream-owned memory.
+
+A buffer remembers the stream that owns it (the stream it was created on, or
+the one given to ``reassign_ownership_to``). Its memory goes back to the pool
+on that stream, in stream order, once the buffer and every operation that used
+it are gone: operations keep the buffers they use alive until they finish.
+
+Every memory operand of a copy (buffers, NumPy arrays given as host spans,
+raw pointers) is seen by the backends through the same four attributes:
+``_ptr`` (address), ``_nbytes``, ``_hostbytes`` (a ``uint8`` NumPy view when
+the host can touch the memory, else ``None``) and ``_kind``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._errors import ContextClosedError
+
+if TYPE_CHECKING:
+    from ._context import DeviceContext, _ContextState
+    from ._event import DeviceEvent
+    from ._stream import _StreamImpl
+
+__all__ = ["DeviceBuffer", "HostBuffer", "as_dtype"]
+
+
+def as_dtype(dtype: Any) -> np.dtype[Any]:
+    """``numpy.dtype(dtype)``, with a ``TypeError`` naming the bad value."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"{dtype!r} is not a dtype NumPy knows: {e}") from None
+    if dt.hasobject or dt.itemsize == 0:
+        raise TypeError(f"{dt} cannot live in device memory (object or zero-size dtype)")
+    return dt
+
+
+def check_size(size: Any) -> int:
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+        raise TypeError(f"size must be an integer number of elements, not {size!r}")
+    size = int(size)
+    if size < 0:
+        raise ValueError(f"size must not be negative, got {size}")
+    return size
+
+
+class _Span:
+    """A NumPy array used as a host span (pageable memory, kept alive by the op)."""
+
+    __slots__ = ("_array", "_dtype", "_hostbytes", "_kind", "_nbytes", "_owner", "_ptr", "_size")
+
+    def __init__(self, array: np.ndarray, writable: bool) -> None:
+        if not array.flags.c_contiguous:
+            raise ValueError("a NumPy array used as a span must be C-contiguous")
+        if writable and not array.flags.writeable:
+            raise ValueError("the destination NumPy array is read-only")
+        self._array = array
+        self._dtype = array.dtype
+        self._size = array.size
+        self._nbytes = array.nbytes
+        self._ptr = array.ctypes.data if array.nbytes else 0
+        self._hostbytes = array.reshape(-1).view(np.uint8)
+        self._kind = "pageable"
+        self._owner: _StreamImpl | None = None
+
+
+class _Pointer:
+    """A raw address with a size (the pointer overloads of ``enqueue_copy``)."""
+
+    __slots__ = ("_dtype", "_hostbytes", "_kind", "_nbytes", "_owner", "_ptr", "_size")
+
+    def __init__(self, ptr: int, dtype: np.dtype[Any], size: int, host: Any = None) -> None:
+        self._ptr = int(ptr)
+        self._dtype = dtype
+        self._size = size
+        self._nbytes = size * dtype.itemsize
+        self._hostbytes = host
+        self._kind = "pointer"
+        self._owner = None
+
+
+class _BufferBase:
+    """Shared behaviour of device and host buffers."""
+
+    __slots__ = (
+        "__weakref__",
+        "_alloc",
+        "_ctx",
+        "_dtype",
+        "_hostbytes",
+        "_nbytes",
+        "_owner",
+        "_owns",
+        "_parent",
+        "_ptr",
+        "_size",
+    )
+    _kind = "device"
+
+    def __init__(
+        self,
+        ctx: DeviceContext,
+        alloc: Any,
+        dtype: np.dtype[Any],
+        size: int,
+        owner: _StreamImpl,
+        *,
+        offset: int = 0,
+        parent: _BufferBase | None = None,
+    ) -> None:
+        self._ctx = ctx
+        self._alloc = alloc
+        self._dtype = dtype
+        self._size = size
+        self._nbytes = size * dtype.itemsize
+        self._ptr = alloc.ptr + offset
+        host = alloc.host
+        self._hostbytes = host[offset : offset + self._nbytes] if host is not None else None
+        self._owner = owner
+        self._owns = parent is None
+        self._parent = parent
+
+    # -- facts -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self._dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def context(self) -> DeviceContext:
+        """The context (bound to the owning stream) this buffer belongs to."""
+        return self._ctx._view(self._owner)
+
+    def unsafe_ptr(self) -> int:
+        """The address of the first element (device address for device buffers)."""
+        self._check()
+        return self._ptr
+
+    def _check(self) -> None:
+        if self._ctx._state.closed:
+            raise ContextClosedError(
+                f"{type(self).__name__} of the closed context {self._ctx._state.describe()}"
+            )
+        if self._alloc is None:
+            raise ValueError("this buffer's memory was taken with take_ptr()")
+
+    # -- ownership -------------------------------------------------------------------
+
+    def take_ptr(self) -> int:
+        """Give up ownership: return the address; the caller must free it. The
+        buffer can no longer be used."""
+        self._check()
+        if not self._owns:
+            raise ValueError("take_ptr() on a sub-buffer: take the parent's pointer instead")
+        ptr = self._ptr
+        self._alloc.detach()
+        self._alloc = None
+        self._owns = False
+        return ptr
+
+    def reassign_ownership_to(self, ctx: DeviceContext) -> None:
+        """Make ``ctx``'s current stream the owner: later frees and cross-stream
+        copies are ordered on it. Its stream first waits for the old owner."""
+        self._check()
+        new = ctx._impl
+        if new.state is not self._owner.state:
+            raise ValueError("a buffer can only move to a stream of the same device context")
+        old = self._owner
+        if new is not old:
+            tail = old.tail()
+            if tail is not None and not tail._done:
+                new.wait_event(tail)
+            self._owner = new
+            self._ctx = ctx
+            if self._owns:
+                self._alloc.set_owner(new)
+
+    def create_sub_buffer(self, dtype: Any, offset: int, size: int) -> Any:
+        """A view of ``size`` elements of ``dtype`` starting at element ``offset``
+        (counted in ``dtype`` elements). Raises ``IndexError`` outside the parent."""
+        self._check()
+        dt = as_dtype(dtype)
+        size = check_size(size)
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+            raise TypeError(f"offset must be an integer, not {offset!r}")
+        offset = int(offset)
+        start = offset * dt.itemsize
+        end = start + size * dt.itemsize
+        if offset < 0 or end > self._nbytes:
+            raise IndexError(
+                f"sub-buffer [{start}, {end}) bytes is outside the parent's {self._nbytes} bytes"
+            )
+        base_offset = self._ptr - self._alloc.ptr + start
+        return type(self)(
+            self._ctx, self._alloc, dt, size, self._owner, offset=base_offset, parent=self
+        )
+
+    # -- work on the owning stream -----------------------------------------------------
+
+    def enqueue_copy_to(self, dst: Any) -> DeviceEvent:
+        """Copy this buffer into ``dst`` on the owning stream."""
+        return self.context().enqueue_copy(dst, self)
+
+    def enqueue_copy_from(self, src: Any) -> DeviceEvent:
+        """Copy ``src`` into this buffer on the owning stream."""
+        return self.context().enqueue_copy(self, src)
+
+    def enqueue_fill(self, value: Any) -> DeviceEvent:
+        """Set every element to ``value`` on the owning stream."""
+        return self.context().enqueue_memset(self, value)
+
+    def __del__(self) -> None:
+        if self._owns and self._alloc is not None:
+            try:
+                self._alloc.release(self._owner)
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self._dtype}[{self._size}] on {self._owner.label}"
+            f" at 0x{self._ptr:x}>"
+        )
+
+
+class DeviceBuffer(_BufferBase):
+    """Memory in the device's global memory (host memory on the CPU device)."""
+
+    __slots__ = ()
+    _kind = "device"
+
+    def map_to_host(self) -> _HostMapping:
+        """Map the buffer's contents to the host: ``with buf.map_to_host() as h``
+        (blocking) or ``async with`` (awaits instead). On entry the contents are
+        copied to host memory once the owning stream reaches this point; on exit
+        the host's changes are copied back."""
+        self._check()
+        return _HostMapping(self)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA Array Interface v3 (CUDA device only). ``stream`` is the owning
+        stream, so consumers order their work after ours."""
+        self._check()
+        state = self._ctx._state
+        if state.api != "cuda":
+            raise AttributeError("__cuda_array_interface__ exists only on CUDA device buffers")
+        return {
+            "shape": (self._size,),
+            "typestr": self._dtype.str,
+            "data": (self._ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": self._owner.handle() or None,
+        }
+
+
+class HostBuffer(_BufferBase):
+    """Page-locked host memory the device can reach (plain memory on the CPU
+    device). Indexing and ``as_numpy()`` touch the memory directly: await the
+    operations that write it first."""
+
+    __slots__ = ()
+    _kind = "host"
+
+    def as_numpy(self) -> np.ndarray:
+        """A NumPy view of the buffer (no copy)."""
+        self._check()
+        assert self._hostbytes is not None
+        return self._hostbytes.view(self._dtype)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.as_numpy()[index]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.as_numpy()[index] = value
+
+    def __buffer__(self, flags: int) -> memoryview:
+        return memoryview(self.as_numpy())
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = self.as_numpy()
+        return a if dtype is None else a.astype(dtype)
+
+    def map_to_host(self) -> _HostMapping:
+        """Host buffers are host memory already: yields the buffer itself once the
+        owning stream has reached this point."""
+        self._check()
+        return _HostMapping(self)
+
+
+class _HostMapping:
+    """``with`` / ``async with`` face of ``map_to_host``."""
+
+    def __init__(self, buf: _BufferBase) -> None:
+        self._buf = buf
+        self._host: HostBuffer | None = None
+
+    def _direct(self) -> bool:
+        return isinstance(self._buf, HostBuffer) or self._buf._hostbytes is not None
+
+    def _view(self) -> HostBuffer:
+        buf = self._buf
+        if isinstance(buf, HostBuffer):
+            return buf
+        # Device memory the host can address (the CPU device): a host view of it.
+        return HostBuffer(
+            buf._ctx,
+            buf._alloc,
+            buf._dtype,
+            buf._size,
+            buf._owner,
+            offset=buf._ptr - buf._alloc.ptr,
+            parent=buf,
+        )
+
+    def __enter__(self) -> HostBuffer:
+        buf = self._buf
+        ctx = buf.context()
+        if self._direct():
+            ctx.synchronize()
+            return self._view()
+        self._host = ctx.enqueue_create_host_buffer(buf._dtype, buf._size)
+        ctx.enqueue_copy(self._host, buf).synchronize()
+        return self._host
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._host is not None:
+            self._buf.context().enqueue_copy(self._buf, self._host).synchronize()
+            self._host = None
+
+    async def __aenter__(self) -> HostBuffer:
+        buf = self._buf
+        ctx = buf.context()
+        if self._direct():
+            await ctx
+            return self._view()
+        self._host = ctx.enqueue_create_host_buffer(buf._dtype, buf._size)
+        await ctx.enqueue_copy(self._host, buf)
+        return self._host
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if self._host is not None:
+            await self._buf.context().enqueue_copy(self._buf, self._host)
+            self._host = None
+
+
+def operand(obj: Any, writable: bool, state: _ContextState) -> Any:
+    """Normalise a copy operand: buffers as they are, NumPy arrays as spans."""
+    if isinstance(obj, _BufferBase):
+        obj._check()
+        return obj
+    if isinstance(obj, np.ndarray):
+        return _Span(obj, writable)
+    raise TypeError(
+        "a copy operand must be a DeviceBuffer, a HostBuffer, a NumPy array or (with a size) "
+        f"an int address, not {type(obj).__name__}"
+    )

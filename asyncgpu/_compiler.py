@@ -1,0 +1,713 @@
+"""CUDA C++ to cubin with NVRTC, with an in-process and an on-disk cache.
+
+``compile_cuda`` turns CUDA C++ source into machine code (a cubin: SASS for one
+real architecture such as ``sm_90``) so the device never JIT-compiles PTX. It
+talks to NVRTC through ``cuda.bindings.nvrtc`` (``nvrtcCreateProgram``,
+``nvrtcCompileProgram``, ``nvrtcGetCUBIN``, ``nvrtcGetPTX``,
+``nvrtcGetProgramLog``). ``cuda.core.Program`` is not used: it takes only
+``ProgramOptions`` (no raw command-line flags) and its PTX target goes through
+the driver, while NVRTC itself needs neither a GPU nor a driver.
+
+Kernels must be ``extern "C"``: the entry name given to ``compile_cuda`` is the
+symbol looked up in the cubin's ELF symbol table after compiling (a C++-mangled
+``__global__`` function is reported with a hint to add ``extern "C"``).
+
+Caching
+-------
+Two levels, both keyed by source, kernel name, the final NVRTC flags, the
+architecture and the NVRTC version:
+
+* in-process: a dict from the call's own arguments to the finished
+  ``CompiledModule``; a repeat call is one dictionary lookup.
+* on disk (``default_cache_dir()`` unless ``cache_dir`` is given): one file per
+  kernel, written atomically (temporary file + ``os.replace``) and checked on
+  read (magic, key digest, lengths, CRC-32), so concurrent processes and
+  crashes never serve a torn entry; a bad entry is a miss and is rewritten.
+
+A hit costs no NVRTC call and imports nothing from cuda-python (importing
+``cuda.core`` alone costs more than compiling a small kernel, which is why the
+disk cache is files of our own rather than ``cuda.core.utils.FileStreamProgramCache``).
+The NVRTC version in the key is found without loading NVRTC where that is
+safe: the NVRTC library of the ``nvidia-cuda-nvrtc`` wheel is located by path
+and its (path, size, mtime) fingerprint is mapped to the version in a small
+file beside the cache entries, written once after NVRTC was really loaded from
+that very file. Where NVRTC comes from elsewhere (a system CUDA toolkit, conda)
+the first lookup in a process loads NVRTC to ask ``nvrtcVersion``.
+
+Files pulled in by ``#include`` from disk (``-I`` paths, system headers) are not
+part of the key: after editing such a header, pass ``use_cache=False`` or
+change a ``-D`` flag.
+
+Every function here blocks the calling thread; call them from a worker thread
+(``asyncio.to_thread``) when an event loop must keep running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shlex
+import struct
+import sys
+import threading
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ._errors import CompileError
+
+__all__ = [
+    "CompiledModule",
+    "clear_memory_cache",
+    "compile_cuda",
+    "default_cache_dir",
+    "dump_sass",
+    "nvrtc_version",
+    "write_dump",
+]
+
+_INSTALL_HINT = "install it with `pip install asyncgpu[cuda]` (the nvidia-cuda-nvrtc wheel)"
+
+
+@dataclass(frozen=True)
+class CompiledModule:
+    """The result of ``compile_cuda``: machine code for one kernel and one arch."""
+
+    name: str
+    """The kernel (entry) name, an ``extern "C"`` ``__global__`` function."""
+    arch: str
+    """The real architecture the cubin is for, e.g. ``"sm_90"``."""
+    cubin: bytes
+    """ELF machine code (SASS) for ``arch``; loading it involves no PTX JIT."""
+    ptx: str | None
+    """The PTX text when it was asked for (``want_ptx=True``), else ``None``."""
+    log: str
+    """NVRTC's log (warnings, ``-Xptxas -v`` info); ``''`` when empty."""
+    cache_hit: bool
+    """True when served from the in-process or the on-disk cache."""
+
+    def __repr__(self) -> str:
+        ptx = "None" if self.ptx is None else f"<{len(self.ptx)} chars>"
+        return (
+            f"CompiledModule(name={self.name!r}, arch={self.arch!r}, "
+            f"cubin=<{len(self.cubin)} bytes>, ptx={ptx}, log={self.log!r}, "
+            f"cache_hit={self.cache_hit})"
+        )
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def default_cache_dir() -> Path:
+    """The on-disk kernel cache: ``$ASYNCGPU_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/asyncgpu/kernels``, else ``~/.cache/asyncgpu/kernels``.
+
+    Pure path arithmetic (no NVRTC or driver call); the directory is created on
+    the first write, not here."""
+    explicit = os.environ.get("ASYNCGPU_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "asyncgpu" / "kernels"
+
+
+# --------------------------------------------------------------------------- NVRTC loading
+
+_nvrtc_mod: Any = None
+_real_version: tuple[int, int] | None = None
+_load_lock = threading.Lock()
+
+
+def _nvrtc() -> Any:
+    """``cuda.bindings.nvrtc`` with the NVRTC library loaded, or CompileError."""
+    global _nvrtc_mod, _real_version
+    if _nvrtc_mod is not None:
+        return _nvrtc_mod
+    with _load_lock:
+        if _nvrtc_mod is not None:
+            return _nvrtc_mod
+        try:
+            from cuda.bindings import nvrtc
+        except ImportError as exc:
+            raise CompileError(
+                f"NVRTC is not available: cuda.bindings is not installed ({exc}); {_INSTALL_HINT}"
+            ) from exc
+        try:
+            err, major, minor = nvrtc.nvrtcVersion()
+        except Exception as exc:  # the library itself could not be found or loaded
+            raise CompileError(
+                f"NVRTC is not installed or could not be loaded ({exc}); {_INSTALL_HINT}"
+            ) from exc
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"nvrtcVersion failed ({_err_name(err)}); {_INSTALL_HINT}")
+        _real_version = (int(major), int(minor))
+        _nvrtc_mod = nvrtc
+        return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """``(major, minor)`` of the NVRTC library that compiles, from ``nvrtcVersion``.
+
+    Loads NVRTC on first use (tens of milliseconds, blocking the calling thread);
+    raises ``CompileError`` when NVRTC is not installed."""
+    _nvrtc()
+    assert _real_version is not None
+    return _real_version
+
+
+def _err_name(err: Any) -> str:
+    return str(getattr(err, "name", err))
+
+
+# Where the nvidia-cuda-nvrtc wheels put the library (the first place
+# cuda.pathfinder looks, before conda and the system).
+_WHEEL_LIBS = (
+    ("nvidia", "cu13", "lib", "libnvrtc.so.13"),
+    ("nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.12"),
+)
+
+_fingerprint: tuple[str, int, int] | None = None
+_fingerprint_searched = False
+_versions_by_dir: dict[str, tuple[int, int]] = {}
+_memo_written: set[str] = set()
+
+
+def _wheel_nvrtc_fingerprint() -> tuple[str, int, int] | None:
+    """(path, size, mtime_ns) of the wheel's libnvrtc on ``sys.path``, found
+    by ``stat`` alone; None when NVRTC does not come from a wheel (or on
+    Windows/macOS, where this shortcut is not used)."""
+    global _fingerprint, _fingerprint_searched
+    if _fingerprint_searched:
+        return _fingerprint
+    found: tuple[str, int, int] | None = None
+    if sys.platform.startswith("linux"):
+        for rel in _WHEEL_LIBS:
+            for entry in sys.path:
+                path = os.path.join(entry or ".", *rel)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                found = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+                break
+            if found is not None:
+                break
+    _fingerprint, _fingerprint_searched = found, True
+    return found
+
+
+def _memo_path(cache_dir: str, fp: tuple[str, int, int]) -> str:
+    digest = hashlib.sha256(repr(fp).encode()).hexdigest()[:32]
+    return os.path.join(cache_dir, f"nvrtc-{digest}.version")
+
+
+def _version_for_key(cache_dir: str | None) -> tuple[int, int]:
+    """The NVRTC version for cache keys, without loading NVRTC where a version
+    memo for the wheel's library file exists in ``cache_dir``."""
+    if _real_version is not None:
+        return _real_version
+    if cache_dir is not None:
+        known = _versions_by_dir.get(cache_dir)
+        if known is not None:
+            return known
+        fp = _wheel_nvrtc_fingerprint()
+        if fp is not None:
+            try:
+                with open(_memo_path(cache_dir, fp), "rb") as f:
+                    major, minor = f.read().split(b".")
+                version = (int(major), int(minor))
+            except (OSError, ValueError):
+                pass
+            else:
+                _versions_by_dir[cache_dir] = version
+                return version
+    return nvrtc_version()
+
+
+def _write_version_memo(cache_dir: str) -> None:
+    """Record fingerprint -> version, only if the NVRTC this process loaded is
+    the very file the fingerprint names."""
+    if cache_dir in _memo_written or _real_version is None:
+        return
+    _memo_written.add(cache_dir)
+    fp = _wheel_nvrtc_fingerprint()
+    if fp is None:
+        return
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        loaded = load_nvidia_dynamic_lib("nvrtc")  # cached: returns the loaded library
+        if os.path.realpath(loaded.abs_path) != os.path.realpath(fp[0]):
+            return
+    except Exception:
+        return
+    text = f"{_real_version[0]}.{_real_version[1]}\n".encode("ascii")
+    _atomic_write(_memo_path(cache_dir, fp), text)
+    _versions_by_dir[cache_dir] = _real_version
+
+
+# --------------------------------------------------------------------------- options
+
+_ARCH_RE = re.compile(r"sm_(\d+)[a-z]?")
+_ARCH_FLAGS = ("-arch", "--gpu-architecture")
+_OPT_LEVEL_RE = re.compile(r"-O([0-3])")
+
+
+def _final_options(options: str | Sequence[str], arch: str) -> tuple[str, ...]:
+    """The NVRTC flag list: the user's flags with ``-arch`` checked and removed,
+    ``-O<n>`` (which NVRTC rejects) handed to ptxas as ``--ptxas-options=-O<n>``
+    like nvcc does for device code, and ``-arch=<arch>`` appended."""
+    if isinstance(options, str):
+        tokens = shlex.split(options)
+    elif isinstance(options, (bytes, bytearray)):
+        raise TypeError("options must be a str or a sequence of str, not bytes")
+    else:
+        tokens = list(options)
+        for tok in tokens:
+            if not isinstance(tok, str):
+                raise TypeError(f"options must hold str flags, got {type(tok).__name__}")
+    out: list[str] = []
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        value: str | None = None
+        if tok in _ARCH_FLAGS:
+            if i + 1 >= len(tokens):
+                raise ValueError(f"option {tok} needs a value")
+            value = tokens[i + 1]
+            i += 2
+        else:
+            flag, eq, rest = tok.partition("=")
+            if eq and flag in _ARCH_FLAGS:
+                value = rest
+            i += 1
+        if value is not None:
+            if value != arch:
+                raise ValueError(
+                    f"options set the architecture to {value!r} but arch={arch!r}; "
+                    "give the architecture through arch= only"
+                )
+            continue
+        level = _OPT_LEVEL_RE.fullmatch(tok)
+        out.append(f"--ptxas-options=-O{level.group(1)}" if level else tok)
+    out.append(f"-arch={arch}")
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- disk entries
+
+_SCHEMA = b"asyncgpu-kernel-cache-v1"
+_MAGIC = b"AGPUKRN1"
+# magic, key digest, cubin length, ptx length (or _NO_PTX), log length, crc32 of payload
+_HEADER = struct.Struct("<8s32sQQQI")
+_NO_PTX = (1 << 64) - 1
+
+
+def _disk_key(
+    source: str, name: str, opts: tuple[str, ...], arch: str, version: tuple[int, int]
+) -> bytes:
+    h = hashlib.sha256()
+    for part in (
+        _SCHEMA,
+        f"nvrtc {version[0]}.{version[1]}".encode(),
+        arch.encode(),
+        name.encode(),
+        "\0".join(opts).encode(),
+        source.encode("utf-8", "surrogatepass"),
+    ):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def _entry_path(cache_dir: str, key: bytes) -> str:
+    return os.path.join(cache_dir, f"{key.hex()}.kernel")
+
+
+def _pack_entry(key: bytes, cubin: bytes, ptx: str | None, log: str) -> bytes:
+    ptx_b = b"" if ptx is None else ptx.encode("utf-8")
+    log_b = log.encode("utf-8")
+    payload = cubin + ptx_b + log_b
+    header = _HEADER.pack(
+        _MAGIC,
+        key,
+        len(cubin),
+        _NO_PTX if ptx is None else len(ptx_b),
+        len(log_b),
+        zlib.crc32(payload),
+    )
+    return header + payload
+
+
+def _read_entry(path: str, key: bytes, want_ptx: bool) -> tuple[bytes, str | None, str] | None:
+    """(cubin, ptx, log) from a verified entry, or None for a miss (absent,
+    torn, corrupt, or without the PTX that was asked for)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if len(data) < _HEADER.size:
+        return None
+    magic, stored_key, n_cubin, n_ptx, n_log, crc = _HEADER.unpack_from(data)
+    has_ptx = n_ptx != _NO_PTX
+    n_ptx_bytes = n_ptx if has_ptx else 0
+    if magic != _MAGIC or stored_key != key:
+        return None
+    if len(data) != _HEADER.size + n_cubin + n_ptx_bytes + n_log:
+        return None
+    if want_ptx and not has_ptx:
+        return None
+    payload = memoryview(data)[_HEADER.size :]
+    if zlib.crc32(payload) != crc:
+        return None
+    cubin = bytes(payload[:n_cubin])
+    ptx = bytes(payload[n_cubin : n_cubin + n_ptx_bytes]).decode("utf-8") if want_ptx else None
+    log = bytes(payload[n_cubin + n_ptx_bytes :]).decode("utf-8")
+    return cubin, ptx, log
+
+
+def _atomic_write(path: str, data: bytes) -> bool:
+    """Write ``data`` to ``path`` so readers see the old file or the whole new
+    one; False (and no exception) when the cache directory is not writable."""
+    import tempfile
+
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        return False
+
+
+# --------------------------------------------------------------------------- NVRTC compile
+
+
+def _check(nvrtc: Any, result: tuple[Any, ...], call: str) -> tuple[Any, ...]:
+    if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"{call} failed: {_err_name(result[0])}")
+    return result
+
+
+def _program_log(nvrtc: Any, prog: Any) -> str:
+    _, size = _check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+    if size <= 1:
+        return ""
+    buf = bytearray(size)
+    _check(nvrtc, nvrtc.nvrtcGetProgramLog(prog, buf), "nvrtcGetProgramLog")
+    text = bytes(buf).rstrip(b"\0").decode("utf-8", "replace")
+    return text if text.strip() else ""
+
+
+def _nvrtc_compile(
+    source: str, name: str, arch: str, opts: tuple[str, ...], want_ptx: bool
+) -> tuple[bytes, str | None, str]:
+    nvrtc = _nvrtc()
+    where = f"kernel {name!r} for {arch}"
+    err, supported = nvrtc.nvrtcGetSupportedArchs()
+    match = _ARCH_RE.fullmatch(arch)
+    assert match is not None
+    if err == nvrtc.nvrtcResult.NVRTC_SUCCESS and int(match.group(1)) not in supported:
+        major, minor = nvrtc_version()
+        listed = ", ".join(f"sm_{a}" for a in supported)
+        raise CompileError(
+            f"cannot compile {where}: NVRTC {major}.{minor} does not support {arch} "
+            f"(it supports {listed})"
+        )
+    _, prog = _check(
+        nvrtc,
+        nvrtc.nvrtcCreateProgram(
+            source.encode("utf-8", "surrogatepass"), f"{name}.cu".encode(), 0, [], []
+        ),
+        "nvrtcCreateProgram",
+    )
+    try:
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        log = _program_log(nvrtc, prog)
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(
+                f"NVRTC failed to compile {where} ({_err_name(result)}, options: {' '.join(opts)})",
+                log=log,
+            )
+        _, size = _check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = bytearray(size)
+        _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        ptx: str | None = None
+        if want_ptx:
+            _, size = _check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+            buf = bytearray(size)
+            _check(nvrtc, nvrtc.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+            ptx = bytes(buf).rstrip(b"\0").decode("utf-8")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    cubin_b = bytes(cubin)
+    _check_entry(cubin_b, name, arch, log)
+    return cubin_b, ptx, log
+
+
+# ELF: st_other bit marking a CUDA kernel entry point (STO_CUDA_ENTRY).
+_STO_CUDA_ENTRY = 0x10
+_STT_FUNC = 2
+
+
+def _elf_functions(cubin: bytes) -> dict[str, bool] | None:
+    """Function symbols of a 64-bit little-endian cubin: name -> is a kernel
+    entry; None when ``cubin`` is not such an ELF file."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2 or cubin[5] != 1:
+        return None
+    e_shoff = int.from_bytes(cubin[0x28:0x30], "little")
+    e_shentsize = int.from_bytes(cubin[0x3A:0x3C], "little")
+    e_shnum = int.from_bytes(cubin[0x3C:0x3E], "little")
+    sections = []
+    for i in range(e_shnum):
+        off = e_shoff + i * e_shentsize
+        _name, sh_type, _flags, _addr, sh_offset, sh_size, sh_link, _info, _align, sh_entsize = (
+            struct.unpack_from("<IIQQQQIIQQ", cubin, off)
+        )
+        sections.append((sh_type, sh_offset, sh_size, sh_link, sh_entsize))
+    funcs: dict[str, bool] = {}
+    for sh_type, offset, size, link, entsize in sections:
+        if sh_type != 2 or entsize < 24:  # SHT_SYMTAB
+            continue
+        str_off = sections[link][1]
+        for pos in range(offset, offset + size, entsize):
+            st_name, st_info, st_other = struct.unpack_from("<IBB", cubin, pos)
+            if st_info & 0xF != _STT_FUNC:
+                continue
+            end = cubin.index(b"\0", str_off + st_name)
+            sym = cubin[str_off + st_name : end].decode("utf-8", "replace")
+            funcs[sym] = bool(st_other & _STO_CUDA_ENTRY)
+    return funcs
+
+
+def _check_entry(cubin: bytes, name: str, arch: str, log: str) -> None:
+    try:
+        funcs = _elf_functions(cubin)
+    except (struct.error, ValueError, IndexError):
+        return  # not an ELF layout this reader knows: leave the check to the loader
+    if funcs is None:
+        return
+    if funcs.get(name):
+        return
+    kernels = sorted(n for n, entry in funcs.items() if entry)
+    if name in funcs:
+        why = "it is a __device__ function, not a __global__ kernel"
+    elif any(k.startswith(f"_Z{len(name)}{name}") for k in kernels):
+        why = 'it is C++-mangled; declare it extern "C"'
+    else:
+        why = 'no such extern "C" __global__ function'
+    found = ", ".join(kernels) if kernels else "none"
+    raise CompileError(
+        f"kernel {name!r} not found in the code compiled for {arch}: {why} "
+        f"(kernels found: {found})",
+        log=log,
+    )
+
+
+# --------------------------------------------------------------------------- compile_cuda
+
+_memory: dict[tuple[Any, ...], CompiledModule] = {}
+_inflight: dict[tuple[Any, ...], threading.Lock] = {}
+_memory_lock = threading.Lock()
+_warned_dirs: set[str] = set()
+
+
+def clear_memory_cache() -> None:
+    """Forget every in-process cache entry (the on-disk cache is untouched)."""
+    with _memory_lock:
+        _memory.clear()
+
+
+def compile_cuda(
+    source: str,
+    name: str,
+    *,
+    arch: str,
+    options: str | Sequence[str] = (),
+    want_ptx: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    use_cache: bool = True,
+) -> CompiledModule:
+    """Compile CUDA C++ ``source`` to a cubin for ``arch`` and check that it
+    holds the ``extern "C"`` kernel ``name``.
+
+    ``options`` are NVRTC command-line flags, a string (split like a shell
+    does) or a sequence, e.g. ``"--use_fast_math -std=c++17 -DN=4 -lineinfo"``.
+    ``-arch=<arch>`` is always added; a flag naming another architecture raises
+    ``ValueError``. ``-O0``..``-O3`` go to ptxas (NVRTC itself has no ``-O``).
+    ``want_ptx`` also returns the PTX of the same compilation.
+
+    Cached in-process and in ``cache_dir`` (default ``default_cache_dir()``);
+    ``use_cache=False`` neither reads nor writes either cache. A hit makes no
+    NVRTC call. A miss calls ``nvrtcCreateProgram`` / ``nvrtcCompileProgram`` /
+    ``nvrtcGetCUBIN`` (/ ``nvrtcGetPTX``) / ``nvrtcGetProgramLog`` and blocks the
+    calling thread for the compile (typically 30 ms to seconds; the GIL is
+    released meanwhile). Thread-safe: concurrent calls for the same kernel
+    compile it once; asyncgpu does not serialize different kernels (NVRTC 13.5
+    was seen to run them one at a time anyway). The in-process cache is shared
+    by all ``cache_dir`` values.
+
+    Raises ``CompileError`` (with NVRTC's full log in ``.log``) when the code
+    does not compile, the kernel is missing, or NVRTC is not installed.
+    """
+    if use_cache:
+        try:
+            options_key = options if isinstance(options, str) else tuple(options)
+            hit = _memory.get((source, name, options_key, arch, want_ptx))
+        except TypeError:  # unhashable options: the checks below say what is wrong
+            hit = None
+        if hit is not None:
+            return hit
+
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str, not {type(source).__name__}")
+    if not isinstance(name, str) or not name:
+        raise TypeError('name must be a non-empty str (the extern "C" kernel name)')
+    if not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch):
+        raise ValueError(f"arch must look like 'sm_90' (a real architecture), got {arch!r}")
+    opts = _final_options(options, arch)
+    if not use_cache:
+        cubin, ptx, log = _nvrtc_compile(source, name, arch, opts, want_ptx)
+        return CompiledModule(name, arch, cubin, ptx, log, cache_hit=False)
+
+    full_key = (source, name, options_key, arch, want_ptx)
+    with _memory_lock:
+        key_lock = _inflight.setdefault(full_key, threading.Lock())
+    with key_lock:
+        try:
+            hit = _memory.get(full_key)
+            if hit is not None:
+                return hit
+            directory = os.fspath(cache_dir) if cache_dir is not None else str(default_cache_dir())
+            version = _version_for_key(directory)
+            key = _disk_key(source, name, opts, arch, version)
+            entry = _read_entry(_entry_path(directory, key), key, want_ptx)
+            if entry is not None:
+                module = CompiledModule(name, arch, *entry, cache_hit=True)
+                with _memory_lock:
+                    _memory[full_key] = module
+                return module
+
+            cubin, ptx, log = _nvrtc_compile(source, name, arch, opts, want_ptx)
+            module = CompiledModule(name, arch, cubin, ptx, log, cache_hit=False)
+            real = nvrtc_version()
+            if real != version:  # a stale version memo: key by the NVRTC that compiled
+                key = _disk_key(source, name, opts, arch, real)
+            if _atomic_write(_entry_path(directory, key), _pack_entry(key, cubin, ptx, log)):
+                _write_version_memo(directory)
+            elif directory not in _warned_dirs:
+                _warned_dirs.add(directory)
+                import warnings
+
+                warnings.warn(
+                    f"asyncgpu: cannot write the kernel cache in {directory}; compiled "
+                    "kernels are cached in this process only (set ASYNCGPU_CACHE_DIR)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            with _memory_lock:
+                _memory[full_key] = replace(module, cache_hit=True)
+            return module
+        finally:
+            with _memory_lock:
+                if _inflight.get(full_key) is key_lock:
+                    del _inflight[full_key]
+
+
+# --------------------------------------------------------------------------- dumps
+
+
+def dump_sass(cubin: bytes) -> str | None:
+    """Disassemble ``cubin`` to SASS with ``cuobjdump --dump-sass`` or, failing
+    that, ``nvdisasm``, whichever is on ``PATH`` (or in an NVIDIA wheel that
+    ``cuda.pathfinder`` finds). None when neither is available or both fail.
+
+    Runs the tool as a subprocess and blocks the calling thread until it exits."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    def locate(tool: str) -> str | None:
+        found = shutil.which(tool)
+        if found is None:
+            try:
+                from cuda.pathfinder import find_nvidia_binary_utility
+
+                found = find_nvidia_binary_utility(tool)
+            except Exception:
+                found = None
+        return found
+
+    commands: list[list[str]] = []
+    cuobjdump = locate("cuobjdump")
+    if cuobjdump:
+        commands.append([cuobjdump, "--dump-sass"])
+    nvdisasm = locate("nvdisasm")
+    if nvdisasm:
+        commands.append([nvdisasm])
+    if not commands:
+        return None
+    with tempfile.TemporaryDirectory(prefix="asyncgpu-sass-") as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        for command in commands:
+            try:
+                done = subprocess.run(
+                    [*command, path], capture_output=True, text=True, timeout=120, check=False
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if done.returncode == 0 and done.stdout.strip():
+                return done.stdout
+    return None
+
+
+def write_dump(
+    text: str,
+    target: bool | str | os.PathLike[str] | Callable[[], str | os.PathLike[str]] | None,
+    suffix: str,
+    *,
+    name: str | None = None,
+) -> str | None:
+    """Carry out a ``dump_asm=`` / ``_dump_sass=`` request for ``text``.
+
+    ``False``/``None``: nothing, returns None. ``True``: returns ``text``
+    itself. A path (``str`` or ``os.PathLike``, or a callable returning one):
+    writes ``text`` there and returns the path as ``str``; a ``%`` in a ``str``
+    path is replaced by ``name``, and an existing directory receives
+    ``<name><suffix>`` (``kernel<suffix>`` without a name). Parent directories
+    are created. Plain file I/O, blocking the calling thread."""
+    if target is None or target is False:
+        return None
+    if target is True:
+        return text
+    if callable(target):
+        target = target()
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"dump target must be a bool or a path, not {type(target).__name__}")
+    path = os.fspath(target)
+    if isinstance(target, str) and name is not None:
+        path = path.replace("%", name)
+    if os.path.isdir(path):
+        path = os.path.join(path, f"{name or 'kernel'}{suffix}")
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path

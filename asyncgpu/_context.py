@@ -1,0 +1,937 @@
+"""DeviceContext: the device-independent core of the API.
+
+A ``DeviceContext`` is a view of one device context (``_ContextState``: the
+backend, its pool of streams, its caches) bound to one current stream.
+``select_stream(i)`` returns another view of the same state. Everything here
+validates its arguments, then hands the work to the current stream's backend
+object (``_stream._StreamImpl``): the only seam between core and devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import os
+import threading
+from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ._buffer import DeviceBuffer, HostBuffer, _BufferBase, _Pointer, _Span, as_dtype, check_size
+from ._errors import ContextClosedError, NoDeviceError, UnsupportedError
+from ._event import DeviceEvent
+from ._function import DeviceFunction, Kernel
+from ._stream import DeviceStream, _StreamImpl
+from ._trace import Trace
+from ._types import (
+    ConstantMemoryMapping,
+    DeviceAttribute,
+    Dim,
+    DimLike,
+    FuncAttribute,
+    GPUInfo,
+    LaunchAttribute,
+    LaunchAttributeID,
+    StreamPriorityRange,
+)
+
+__all__ = ["DeviceContext"]
+
+_DEFAULT_NUM_STREAMS = 8
+
+
+def _backend_class(api: str) -> Any:
+    if api == "cpu":
+        from ._cpu import CpuBackend
+
+        return CpuBackend
+    if api == "cuda":
+        from ._cuda import CudaBackend
+
+        return CudaBackend
+    raise ValueError(f"unknown device api {api!r}: use 'cuda' or 'cpu'")
+
+
+def _cuda_available() -> bool:
+    try:
+        from ._cuda import CudaBackend
+
+        return CudaBackend.number_of_devices() > 0
+    except Exception:
+        return False
+
+
+def default_api() -> str:
+    """``$ASYNCGPU_API`` if set, else ``"cuda"`` when a usable GPU is present, else
+    ``"cpu"``."""
+    env = os.environ.get("ASYNCGPU_API")
+    if env:
+        return env.strip().lower()
+    return "cuda" if _cuda_available() else "cpu"
+
+
+class _ContextState:
+    """What all views (and copies) of one device context share."""
+
+    def __init__(self, api: str, device_id: int, num_streams: int) -> None:
+        self.api = api
+        self.device_id = device_id
+        self.backend = _backend_class(api)(device_id)
+        self.closed = False
+        self.refs = 1
+        self.lock = threading.RLock()
+        self.trace: Trace | None = None
+        self.num_streams = num_streams
+        self.streams: list[_StreamImpl | None] = [None] * num_streams
+        self.extra_streams: list[_StreamImpl] = []
+        self.compiled: dict[Any, DeviceFunction] = {}
+        self.limits: dict[DeviceAttribute, int] = {}
+        self.streams[0] = self.backend.new_stream(self, 0, 0)
+
+    def describe(self) -> str:
+        return f"{self.api}:{self.device_id}"
+
+    def stream(self, i: int) -> _StreamImpl:
+        s = self.streams[i]
+        if s is None:
+            with self.lock:
+                s = self.streams[i]
+                if s is None:
+                    s = self.streams[i] = self.backend.new_stream(self, i, 0)
+        return s
+
+    def all_streams(self) -> list[_StreamImpl]:
+        return [s for s in self.streams if s is not None] + list(self.extra_streams)
+
+    def limit(self, attr: DeviceAttribute) -> int:
+        v = self.limits.get(attr)
+        if v is None:
+            v = self.limits[attr] = self.backend.attribute(attr)
+        return v
+
+    def fail_all(self, err: BaseException) -> None:
+        for s in self.all_streams():
+            fail = getattr(s, "_fail", None)
+            if fail is not None:
+                fail(err)
+
+    def close(self) -> None:
+        """Wait for all work, then release streams, caches and the backend."""
+        with self.lock:
+            if self.closed:
+                return
+            streams = self.all_streams()
+        errors: list[BaseException] = []
+        for s in streams:
+            try:
+                s.synchronize()
+            except Exception as e:  # a faulted device still gets released
+                errors.append(e)
+        with self.lock:
+            self.closed = True
+            for s in streams:
+                with contextlib.suppress(Exception):
+                    s.close()
+            self.compiled.clear()
+            with contextlib.suppress(Exception):
+                self.backend.close()
+
+
+class _Ref:
+    """One reference to a context state (a handle and the views made from it)."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = True
+
+
+class DeviceContext:
+    """A device context (GPU or CPU) bound to a current stream.
+
+    ``DeviceContext(device_id=0, *, api=None)``: ``api`` is ``"cuda"`` or ``"cpu"``;
+    ``None`` means ``$ASYNCGPU_API``, else CUDA when a usable GPU is present, else
+    the CPU device. ``DeviceContext(copy=ctx)`` is another reference to the same
+    context (released when the last reference is closed).
+
+    Use it with ``with`` (leaving synchronizes, then releases) or ``async with``
+    (leaving awaits outstanding work without blocking the loop, then releases).
+    ``await ctx`` waits for all work enqueued so far on the current stream.
+    """
+
+    __slots__ = ("__weakref__", "_impl", "_ref", "_state")
+
+    _instances_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(
+        self,
+        device_id: int = 0,
+        *,
+        api: str | None = None,
+        num_streams: int | None = None,
+        copy: DeviceContext | None = None,
+    ) -> None:
+        if copy is not None:
+            copy._check_open()
+            with copy._state.lock:
+                copy._state.refs += 1
+            self._state = copy._state
+            self._impl = copy._impl
+            self._ref = _Ref()
+            return
+        if isinstance(device_id, bool) or not isinstance(device_id, (int, np.integer)):
+            raise TypeError(f"device_id must be an int, not {device_id!r}")
+        api = (api or default_api()).lower()
+        if num_streams is None:
+            num_streams = int(os.environ.get("ASYNCGPU_NUM_STREAMS", _DEFAULT_NUM_STREAMS))
+        if num_streams < 1:
+            raise ValueError(f"num_streams must be at least 1, got {num_streams}")
+        self._state = _ContextState(api, int(device_id), num_streams)
+        self._impl = self._state.streams[0]
+        self._ref = _Ref()
+        _live_states.add(self._state)
+        if os.environ.get("ASYNCGPU_TRACE"):
+            self._state.trace = Trace(path=os.environ["ASYNCGPU_TRACE"])
+
+    def _view(self, impl: _StreamImpl | None) -> DeviceContext:
+        if impl is self._impl or impl is None:
+            return self
+        v = object.__new__(DeviceContext)
+        v._state = self._state
+        v._impl = impl
+        v._ref = self._ref
+        return v
+
+    def _check_open(self) -> None:
+        if self._state.closed or not self._ref.open:
+            raise ContextClosedError(f"the DeviceContext {self._state.describe()} is closed")
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release this reference; the last one waits for all work and frees
+        everything. Using the context afterwards raises ``ContextClosedError``."""
+        ref = self._ref
+        if not ref.open:
+            return
+        ref.open = False
+        state = self._state
+        with state.lock:
+            state.refs -= 1
+            last = state.refs == 0
+        if last:
+            state.close()
+            from ._engine import watcher
+
+            if not _any_polled_open():
+                watcher.stop()
+            _live_states.discard(state)
+
+    async def aclose(self) -> None:
+        """Await all work on every stream of the context, then close it."""
+        if self._ref.open and not self._state.closed:
+            for s in self._state.all_streams():
+                ev = s.tail()
+                if ev is not None:
+                    await _Wait(ev)
+        self.close()
+
+    def __enter__(self) -> DeviceContext:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> DeviceContext:
+        self._check_open()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.stream().__await__()
+
+    # -- facts -------------------------------------------------------------------------------
+
+    def name(self) -> str:
+        """The device's name (``cuDeviceGetName``)."""
+        self._check_open()
+        return self._state.backend.name()
+
+    def api(self) -> str:
+        """``"cuda"`` or ``"cpu"``."""
+        return self._state.api
+
+    def id(self) -> int:
+        """The device id (ordinal)."""
+        return self._state.device_id
+
+    @property
+    def default_device_info(self) -> GPUInfo:
+        """What the device is, queried from the device."""
+        self._check_open()
+        return self._state.backend.info()
+
+    def get_api_version(self) -> int:
+        """The driver version (``cuDriverGetVersion``, e.g. 13000 for 13.0); on the CPU
+        device the Python version as major*1000 + minor*10."""
+        self._check_open()
+        return self._state.backend.api_version()
+
+    def get_attribute(self, attr: DeviceAttribute) -> int:
+        """A device attribute (``cuDeviceGetAttribute``). The CPU device answers the
+        limits it enforces and raises ``UnsupportedError`` for the rest."""
+        self._check_open()
+        if not isinstance(attr, (DeviceAttribute, int)):
+            raise TypeError(f"attr must be a DeviceAttribute, not {attr!r}")
+        return self._state.backend.attribute(attr)
+
+    def is_compatible(self) -> bool:
+        """True if asyncgpu can run work on this device."""
+        self._check_open()
+        return bool(self._state.backend.is_compatible())
+
+    def run_healthcheck(self) -> None:
+        """Check the device (throttling, uncorrectable ECC errors, a memory pattern);
+        raises ``HealthCheckError`` naming the failed check."""
+        self._check_open()
+        self._state.backend.healthcheck()
+
+    def get_memory_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of device memory (``cuMemGetInfo``)."""
+        self._check_open()
+        with self.push_context():
+            return self._state.backend.memory_info()
+
+    def max_single_alloc_size(self) -> int:
+        """The largest single allocation in bytes (the device's total memory)."""
+        self._check_open()
+        return self._state.backend.max_single_alloc_size()
+
+    def can_access(self, peer: DeviceContext) -> bool:
+        """True if this device can address ``peer``'s memory directly
+        (``cuDeviceCanAccessPeer``; a device always reaches itself)."""
+        self._check_open()
+        return bool(self._state.backend.can_access(peer._state.backend))
+
+    def enable_peer_access(self, peer: DeviceContext) -> None:
+        """Let this device address ``peer``'s memory (``cuCtxEnablePeerAccess``)."""
+        self._check_open()
+        self._state.backend.enable_peer_access(peer._state.backend)
+
+    def supports_multicast(self) -> bool:
+        """Whether the device supports multicast objects (an attribute query only)."""
+        self._check_open()
+        return bool(self._state.backend.supports_multicast())
+
+    @staticmethod
+    def number_of_devices(*, api: str | None = None) -> int:
+        """Devices available for ``api`` (default: the default api)."""
+        api = (api or default_api()).lower()
+        cls = _backend_class(api)
+        try:
+            return int(cls.number_of_devices())
+        except NoDeviceError:
+            return 0
+
+    @staticmethod
+    def enable_all_peer_access() -> None:
+        """Enable peer access between every pair of GPUs that allows it (a no-op
+        with fewer than two)."""
+        if _cuda_available():
+            from ._cuda import CudaBackend
+
+            CudaBackend.enable_all_peer_access()
+
+    @staticmethod
+    def all_peer_access_enabled() -> bool:
+        """True only if every GPU can reach every other (False with fewer than two)."""
+        if not _cuda_available():
+            return False
+        from ._cuda import CudaBackend
+
+        return CudaBackend.all_peer_access_enabled()
+
+    def push_context(self) -> contextlib.AbstractContextManager[None]:
+        """A ``with`` block during which this device's driver context is current
+        (``cuCtxPushCurrent`` / ``cuCtxPopCurrent``)."""
+        self._check_open()
+        return self._state.backend.push_context()
+
+    def set_as_current(self) -> None:
+        """Make this device's driver context current on this thread
+        (``cuCtxSetCurrent``)."""
+        self._check_open()
+        self._state.backend.set_as_current()
+
+    # -- streams and events ---------------------------------------------------------------
+
+    def stream(self) -> DeviceStream:
+        """The current stream of this view."""
+        return DeviceStream(self, self._impl)
+
+    def num_streams(self) -> int:
+        """The size of the context's stream pool (``select_stream`` ids)."""
+        return self._state.num_streams
+
+    def select_stream(self, stream_id: int) -> DeviceContext:
+        """A view of this context bound to stream ``stream_id`` of its pool; stream 0
+        is the base stream. Raises ``IndexError`` outside ``0..num_streams()-1``."""
+        self._check_open()
+        n = self._state.num_streams
+        if isinstance(stream_id, bool) or not isinstance(stream_id, (int, np.integer)):
+            raise TypeError(f"stream_id must be an int, not {stream_id!r}")
+        if not 0 <= stream_id < n:
+            raise IndexError(f"stream_id {stream_id} is outside 0..{n - 1}")
+        return self._view(self._state.stream(int(stream_id)))
+
+    def stream_priority_range(self) -> StreamPriorityRange:
+        """The priorities streams may have (``cuCtxGetStreamPriorityRange``)."""
+        self._check_open()
+        return self._state.backend.priority_range()
+
+    def create_stream(self, *, priority: int = 0) -> DeviceStream:
+        """A new stream outside the pool (``cuStreamCreateWithPriority``,
+        non-blocking). ``priority`` must lie in ``stream_priority_range()``."""
+        self._check_open()
+        rng = self._state.backend.priority_range()
+        lo, hi = sorted((rng.least, rng.greatest))
+        if not lo <= priority <= hi:
+            raise ValueError(f"priority {priority} is outside the device's range {lo}..{hi}")
+        state = self._state
+        with state.lock:
+            index = state.num_streams + len(state.extra_streams)
+            impl = state.backend.new_stream(state, index, priority)
+            state.extra_streams.append(impl)
+        return DeviceStream(self, impl)
+
+    def create_external_stream(self, external_stream: Any) -> DeviceStream:
+        """Wrap a stream another library owns (a ``CUstream`` address, or an object
+        with ``__cuda_stream__`` / ``cuda_stream``). The wrapper does not own it."""
+        self._check_open()
+        state = self._state
+        with state.lock:
+            index = state.num_streams + len(state.extra_streams)
+            impl = state.backend.external_stream(state, external_stream, index)
+            state.extra_streams.append(impl)
+        return DeviceStream(self, impl)
+
+    def create_event(
+        self,
+        *,
+        blocking_sync: bool = False,
+        disable_timing: bool = True,
+        interprocess: bool = False,
+    ) -> DeviceEvent:
+        """A user event to record on streams (``cuEventCreate`` with the matching
+        flags). It is done until first recorded."""
+        self._check_open()
+        ev = DeviceEvent(None)
+        self._state.backend.init_user_event(ev, blocking_sync, disable_timing, interprocess)
+        ev._done = True
+        return ev
+
+    def synchronize(self) -> None:
+        """Block until all work enqueued on the current stream has completed
+        (``cuStreamSynchronize``)."""
+        self._check_open()
+        self._impl.synchronize()
+
+    def enqueue_wait_for(self, other: DeviceContext | DeviceStream | DeviceEvent) -> DeviceEvent:
+        """Make later work on the current stream wait, on the device, for ``other``:
+        a context (its current stream's work so far), a stream, or an event. The host
+        never blocks (``cuStreamWaitValue64`` / ``cuStreamWaitEvent``)."""
+        self._check_open()
+        if isinstance(other, DeviceEvent):
+            ev: DeviceEvent | None = other
+        elif isinstance(other, DeviceContext):
+            other._check_open()
+            ev = other._impl.tail()
+        elif isinstance(other, DeviceStream):
+            other._ctx._check_open()
+            ev = other._impl.tail()
+        else:
+            raise TypeError(
+                f"enqueue_wait_for takes a DeviceContext, DeviceStream or DeviceEvent, not "
+                f"{type(other).__name__}"
+            )
+        impl = self._impl
+        if ev is None or ev._stream is impl:
+            return _completed()
+        out = impl.wait_event(ev)
+        if self._state.trace is not None:
+            self._state.trace.record(impl, out, "wait", f"wait {ev!r}", 0, (ev,))
+        return out
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def enqueue_create_buffer(self, dtype: Any, size: int) -> DeviceBuffer:
+        """A device buffer of ``size`` elements, allocated in stream order on the
+        current stream from the device's memory pool (``cuMemAllocFromPoolAsync``).
+        It is owned by the current stream and freed on it."""
+        self._check_open()
+        dt = as_dtype(dtype)
+        size = check_size(size)
+        alloc = self._state.backend.alloc_device(size * dt.itemsize, self._impl)
+        return DeviceBuffer(self, alloc, dt, size, self._impl)
+
+    def create_buffer_sync(self, dtype: Any, size: int) -> DeviceBuffer:
+        """Like ``enqueue_create_buffer``, then blocks until the allocation is done."""
+        buf = self.enqueue_create_buffer(dtype, size)
+        self._impl.synchronize()
+        return buf
+
+    def enqueue_create_host_buffer(self, dtype: Any, size: int) -> HostBuffer:
+        """A page-locked host buffer of ``size`` elements the device can reach (from
+        the pinned pool on CUDA; plain host memory on the CPU device)."""
+        self._check_open()
+        dt = as_dtype(dtype)
+        size = check_size(size)
+        alloc = self._state.backend.alloc_host(size * dt.itemsize, self._impl)
+        return HostBuffer(self, alloc, dt, size, self._impl)
+
+    # -- copies ------------------------------------------------------------------------------
+
+    def enqueue_copy(
+        self, dst: Any, src: Any, size: int | None = None, *, dtype: Any = None
+    ) -> DeviceEvent:
+        """Copy between device buffers, host buffers, NumPy arrays (host spans) and raw
+        addresses, on the current stream (``cuMemcpyAsync``).
+
+        * buffer <- buffer: both the same dtype and length;
+        * buffer <- array / array <- buffer: the array has at least as many
+          elements as the buffer; the buffer's length is copied;
+        * buffer <- int address / int address <- buffer: the buffer's length;
+        * int address <- int address: ``size`` elements of ``dtype``.
+
+        Buffers owned by other streams are ordered automatically: the copy waits
+        for their earlier work, and their later work waits for the copy.
+        """
+        return self._copy(dst, src, size, dtype, True)
+
+    def enqueue_copy_no_cross_stream_sync(self, dst: Any, src: Any) -> DeviceEvent:
+        """``enqueue_copy`` without the cross-stream ordering: the caller makes sure
+        the source is ready and not reused until the copy completes."""
+        return self._copy(dst, src, None, None, False)
+
+    def _copy(self, dst: Any, src: Any, size: int | None, dtype: Any, cross: bool) -> DeviceEvent:
+        self._check_open()
+        state = self._state
+        d_ptr = isinstance(dst, (int, np.integer)) and not isinstance(dst, bool)
+        s_ptr = isinstance(src, (int, np.integer)) and not isinstance(src, bool)
+        if d_ptr or s_ptr:
+            d, s, nbytes = self._pointer_operands(dst, src, d_ptr, s_ptr, size, dtype)
+        else:
+            if size is not None:
+                raise TypeError("size is only given with raw addresses")
+            d = self._operand(dst, True)
+            s = self._operand(src, False)
+            if d._dtype != s._dtype:
+                raise TypeError(f"dtype mismatch: copying {s._dtype} into {d._dtype}")
+            d_buf = isinstance(d, _BufferBase)
+            s_buf = isinstance(s, _BufferBase)
+            if d_buf and s_buf:
+                if d._size != s._size:
+                    raise ValueError(
+                        f"buffer sizes differ: destination has {d._size} elements, source {s._size}"
+                    )
+                nbytes = d._nbytes
+            elif d_buf:
+                if s._size < d._size:
+                    raise ValueError(
+                        f"the source array has {s._size} elements; the destination buffer "
+                        f"needs {d._size}"
+                    )
+                nbytes = d._nbytes
+            elif s_buf:
+                if d._size < s._size:
+                    raise ValueError(
+                        f"the destination array has {d._size} elements; the source buffer "
+                        f"holds {s._size}"
+                    )
+                nbytes = s._nbytes
+            else:
+                raise TypeError("enqueue_copy needs a buffer on at least one side")
+        impl = self._impl
+        owners: tuple[_StreamImpl, ...] = ()
+        if cross:
+            do, so = d._owner, s._owner
+            if do is not None and do is not impl:
+                owners = (do,)
+            if so is not None and so is not impl and so is not do:
+                owners = (*owners, so)
+            for o in owners:
+                t = o.tail()
+                if t is not None and not t._done:
+                    impl.wait_event(t)
+        ev = impl.copy(d, s, nbytes, (dst, src))
+        for o in owners:
+            o.wait_event(ev)
+        if state.trace is not None:
+            waits = tuple(t for o in owners if (t := o.tail()) is not None)
+            state.trace.record(impl, ev, "copy", f"copy {s._kind}->{d._kind}", nbytes, waits)
+        return ev
+
+    def _operand(self, obj: Any, writable: bool) -> Any:
+        if isinstance(obj, _BufferBase):
+            obj._check()
+            ostate = obj._ctx._state
+            if ostate is not self._state and ostate.api != self._state.api:
+                raise ValueError(
+                    f"a buffer of the {ostate.describe()} context cannot be used by the "
+                    f"{self._state.describe()} context"
+                )
+            return obj
+        if isinstance(obj, np.ndarray):
+            return _Span(obj, writable)
+        raise TypeError(
+            "a copy operand must be a DeviceBuffer, a HostBuffer, a NumPy array or (with a size) "
+            f"an int address, not {type(obj).__name__}"
+        )
+
+    def _pointer_operands(
+        self, dst: Any, src: Any, d_ptr: bool, s_ptr: bool, size: int | None, dtype: Any
+    ) -> tuple[Any, Any, int]:
+        backend = self._state.backend
+        if d_ptr and s_ptr:
+            if size is None or dtype is None:
+                raise TypeError("copying between two addresses needs size= and dtype=")
+            dt = as_dtype(dtype)
+            n = check_size(size)
+        else:
+            if size is not None:
+                raise TypeError("with a buffer operand the buffer's length is copied; omit size")
+            buf = self._operand(src if d_ptr else dst, not d_ptr)
+            if not isinstance(buf, _BufferBase):
+                raise TypeError("an address is copied to or from a buffer, not a NumPy array")
+            dt = buf._dtype
+            n = buf._size
+            if dtype is not None and as_dtype(dtype) != dt:
+                raise TypeError(f"dtype {as_dtype(dtype)} does not match the buffer's {dt}")
+        nbytes = n * dt.itemsize
+
+        def ptr(p: Any) -> _Pointer:
+            p = int(p)
+            if p == 0 and nbytes:
+                raise ValueError("null address")
+            return _Pointer(p, dt, n, backend.pointer_host_view(p, nbytes))
+
+        d = ptr(dst) if d_ptr else buf
+        s = ptr(src) if s_ptr else buf
+        return d, s, nbytes
+
+    def enqueue_memset(self, dst: DeviceBuffer | HostBuffer, val: Any) -> DeviceEvent:
+        """Set every element of ``dst`` to ``val`` (``cuMemsetD8/16/32Async``; 64-bit
+        elements through a 2-D 32-bit memset). ``val`` must fit the dtype."""
+        self._check_open()
+        if not isinstance(dst, _BufferBase):
+            raise TypeError(f"enqueue_memset needs a DeviceBuffer or HostBuffer, not {dst!r}")
+        dst._check()
+        value = _scalar_for(dst._dtype, val)
+        if dst._dtype.itemsize not in (1, 2, 4, 8):
+            raise TypeError(f"memset supports 1, 2, 4 and 8-byte elements, not {dst._dtype}")
+        ev = self._impl.memset(dst, value, dst._size, dst)
+        if self._state.trace is not None:
+            self._state.trace.record(self._impl, ev, "memset", "memset", dst._nbytes)
+        return ev
+
+    # -- functions ---------------------------------------------------------------------------
+
+    def compile_function(
+        self,
+        func: Any,
+        name: str | None = None,
+        *,
+        compile_options: str | Sequence[str] = "",
+        link_options: str = "",
+        func_attribute: FuncAttribute | None = None,
+        dump_asm: bool | str | os.PathLike[str] = False,
+        dump_sass: bool | str | os.PathLike[str] = False,
+        ptxas_info_verbose: bool = False,
+    ) -> DeviceFunction:
+        """Compile ``func`` for this device: CUDA C++ source text (with ``name``, the
+        ``extern "C"`` entry point) or a ``Kernel`` on CUDA (NVRTC, for the device's own
+        architecture, cached on disk); a ``Kernel`` with a NumPy body or a Python
+        function on the CPU device. ``dump_asm`` / ``dump_sass``: True keeps the PTX /
+        SASS on the result (``.asm``, ``.sass``), a path writes it there. Compile
+        errors raise ``CompileError`` with the compiler's log."""
+        self._check_open()
+        opts = {
+            "compile_options": compile_options,
+            "link_options": link_options,
+            "dump_sass": dump_sass,
+            "ptxas_info_verbose": ptxas_info_verbose,
+        }
+        return self._state.backend.compile(self, func, name, opts, func_attribute, dump_asm)
+
+    def load_function(
+        self, *, function_name: str, asm: str | bytes, func_attribute: FuncAttribute | None = None
+    ) -> DeviceFunction:
+        """Load ``function_name`` from PTX text or a cubin (``cuLibraryLoadData``)."""
+        self._check_open()
+        return self._state.backend.load(self, function_name, asm, func_attribute)
+
+    def _compiled(self, f: Any, func_attribute: FuncAttribute | None) -> DeviceFunction:
+        if isinstance(f, DeviceFunction):
+            if f._ctx._state is not self._state:
+                raise ValueError("this DeviceFunction was compiled for another context")
+            return f
+        key = (id(f), func_attribute)
+        fn = self._state.compiled.get(key)
+        if fn is None or fn._impl is None:
+            if not isinstance(f, (Kernel, str)) and not callable(f):
+                raise TypeError(f"cannot launch {type(f).__name__}; pass a DeviceFunction")
+            fn = self.compile_function(f, func_attribute=func_attribute)
+            self._state.compiled[key] = fn
+        return fn
+
+    def enqueue_function(
+        self,
+        f: DeviceFunction | Kernel | Callable[..., Any],
+        *args: Any,
+        grid_dim: DimLike,
+        block_dim: DimLike,
+        cluster_dim: DimLike | None = None,
+        shared_mem_bytes: int | None = None,
+        attributes: Sequence[LaunchAttribute] = (),
+        constant_memory: Sequence[ConstantMemoryMapping] = (),
+        func_attribute: FuncAttribute | None = None,
+    ) -> DeviceEvent:
+        """Launch ``f`` on the current stream (``cuLaunchKernelEx``; on the CPU device
+        its NumPy body runs once per block on the pool). Arguments: device and host
+        buffers, NumPy scalars and arrays, objects with ``__cuda_array_interface__``;
+        a Python int or float raises ``TypeError`` (give it a NumPy type). Returns at
+        once; the event completes when the kernel has."""
+        state = self._state
+        if state.closed or not self._ref.open:
+            self._check_open()
+        if type(f) is not DeviceFunction:
+            f = self._compiled(f, func_attribute)
+        key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes, *attributes)
+        try:
+            cfg = f._cfgs[key]
+        except KeyError:
+            cfg = f._cfgs[key] = self._launch_config(
+                grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
+            )
+        except TypeError:  # an unhashable dimension: let validation say what is wrong
+            cfg = self._launch_config(
+                grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
+            )
+        ev = self._impl.launch(f, args, cfg[0], cfg[1], cfg[2], cfg[3], attributes, constant_memory)
+        if state.trace is not None:
+            state.trace.record(self._impl, ev, "kernel", f.name)
+        return ev
+
+    def _launch_config(
+        self,
+        grid_dim: DimLike,
+        block_dim: DimLike,
+        cluster_dim: DimLike | None,
+        shared_mem_bytes: int | None,
+        attributes: Sequence[LaunchAttribute],
+    ) -> tuple[Dim, Dim, int, Dim | None]:
+        state = self._state
+        grid = Dim.of(grid_dim, "grid_dim")
+        block = Dim.of(block_dim, "block_dim")
+        cluster = Dim.of(cluster_dim, "cluster_dim") if cluster_dim is not None else None
+        for a in attributes:
+            if not isinstance(a, LaunchAttribute):
+                raise TypeError(f"attributes must be LaunchAttribute objects, not {a!r}")
+            if a.id == LaunchAttributeID.CLUSTER_DIMENSION:
+                if cluster is not None and cluster != a.value:
+                    raise ValueError("cluster_dim and a CLUSTER_DIMENSION attribute disagree")
+                cluster = a.value
+        lim = state.limit
+        threads = block.count()
+        if threads > lim(DeviceAttribute.MAX_THREADS_PER_BLOCK):
+            raise ValueError(
+                f"block_dim {tuple(block)} has {threads} threads; the device allows "
+                f"{lim(DeviceAttribute.MAX_THREADS_PER_BLOCK)} per block"
+            )
+        for axis, v, attr in (
+            ("x", block.x, DeviceAttribute.MAX_BLOCK_DIM_X),
+            ("y", block.y, DeviceAttribute.MAX_BLOCK_DIM_Y),
+            ("z", block.z, DeviceAttribute.MAX_BLOCK_DIM_Z),
+        ):
+            if v > lim(attr):
+                raise ValueError(f"block_dim.{axis}={v} exceeds the device's {lim(attr)}")
+        for axis, v, attr in (
+            ("x", grid.x, DeviceAttribute.MAX_GRID_DIM_X),
+            ("y", grid.y, DeviceAttribute.MAX_GRID_DIM_Y),
+            ("z", grid.z, DeviceAttribute.MAX_GRID_DIM_Z),
+        ):
+            if v > lim(attr):
+                raise ValueError(f"grid_dim.{axis}={v} exceeds the device's {lim(attr)}")
+        shmem = 0 if shared_mem_bytes is None else int(shared_mem_bytes)
+        if shmem < 0:
+            raise ValueError(f"shared_mem_bytes must not be negative, got {shmem}")
+        optin = lim(DeviceAttribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        if shmem > optin:
+            raise ValueError(
+                f"shared_mem_bytes={shmem} exceeds the device's {optin} bytes per block"
+            )
+        if cluster is not None:
+            if state.api != "cuda" or not lim(DeviceAttribute.CLUSTER_LAUNCH):
+                raise UnsupportedError("this device has no thread-block clusters")
+            for g, c in zip(grid, cluster):
+                if g % c:
+                    raise ValueError(
+                        f"grid_dim {tuple(grid)} is not a multiple of cluster_dim {tuple(cluster)}"
+                    )
+        state.backend.check_attributes(attributes)
+        return grid, block, shmem, cluster
+
+    def enqueue_cpu_function(
+        self, func: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> DeviceEvent:
+        """Run ``func(*args, **kwargs)`` on the CPU pool after everything before it on
+        the current stream; later work on the stream waits for it (on CUDA, on the
+        device). The event's value is ``func``'s return value; its exception is
+        raised at the await, and the stream goes on with later work."""
+        self._check_open()
+        if not callable(func):
+            raise TypeError(f"enqueue_cpu_function needs a callable, not {func!r}")
+        ev = self._impl.cpu_call(func, args, kwargs)
+        if self._state.trace is not None:
+            self._state.trace.record(self._impl, ev, "cpu", getattr(func, "__name__", "cpu"))
+        return ev
+
+    def enqueue_cpu_range(self, func: Callable[[int], Any], count: int) -> DeviceEvent:
+        """Run ``func(i)`` once for each ``i`` in ``range(count)``, in parallel over the
+        CPU pool, in stream order: the range starts after earlier work on the stream
+        and ends before later work starts."""
+        self._check_open()
+        if not callable(func):
+            raise TypeError(f"enqueue_cpu_range needs a callable, not {func!r}")
+        count = check_size(count)
+        ev = self._impl.cpu_range(func, count)
+        if self._state.trace is not None:
+            self._state.trace.record(self._impl, ev, "cpu_range", f"range({count})")
+        return ev
+
+    # -- timing --------------------------------------------------------------------------------
+
+    def execution_time(self, func: Callable[..., Any], num_iters: int) -> int:
+        """Total nanoseconds of ``num_iters`` calls of ``func(ctx)`` or ``func()`` on the
+        current stream (CUDA events around the loop on CUDA)."""
+        call = self._adapt(func, 1)
+        return self._time(lambda: [call(i) for i in range(num_iters)], num_iters)
+
+    def execution_time_iter(self, func: Callable[..., Any], num_iters: int) -> int:
+        """Like ``execution_time`` for ``func(ctx, i)`` or ``func(i)``."""
+        call = self._adapt(func, 2)
+        return self._time(lambda: [call(i) for i in range(num_iters)], num_iters)
+
+    def _adapt(self, func: Callable[..., Any], full: int) -> Callable[[int], Any]:
+        if not callable(func):
+            raise TypeError(f"execution_time needs a callable, not {func!r}")
+        try:
+            params = [
+                p
+                for p in inspect.signature(func).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            n = len(params)
+        except (TypeError, ValueError):
+            n = full
+        if full == 1:
+            return (lambda i: func(self)) if n >= 1 else (lambda i: func())
+        if n >= 2:
+            return lambda i: func(self, i)
+        return lambda i: func(i)
+
+    def _time(self, body: Callable[[], Any], num_iters: int) -> int:
+        self._check_open()
+        if isinstance(num_iters, bool) or not isinstance(num_iters, int) or num_iters < 0:
+            raise ValueError(f"num_iters must be a non-negative int, got {num_iters!r}")
+        return int(self._state.backend.elapsed_ns(body, self._impl))
+
+    # -- tracing ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def trace(self, path: str | os.PathLike[str] | None = None) -> Iterator[Trace]:
+        """Record the dependency graph of the work enqueued inside the block. With a
+        ``path`` the Chrome/Perfetto trace JSON is written there on exit."""
+        self._check_open()
+        state = self._state
+        t = Trace(path=os.fspath(path) if path is not None else None)
+        prev, state.trace = state.trace, t
+        try:
+            yield t
+        finally:
+            state.trace = prev
+            if t.path is not None:
+                for s in state.all_streams():
+                    with contextlib.suppress(Exception):
+                        s.synchronize()
+                from . import _trace_export
+
+                _trace_export.write_chrome_trace(t, t.path)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._state.closed else self._impl.label
+        return f"<DeviceContext {self._state.describe()} {state}>"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, DeviceContext)
+            and other._state is self._state
+            and other._impl is self._impl
+        )
+
+    def __hash__(self) -> int:
+        return hash((id(self._state), id(self._impl)))
+
+
+class _Wait:
+    """Await an event's completion without its outcome (faults still raise)."""
+
+    __slots__ = ("ev",)
+
+    def __init__(self, ev: DeviceEvent) -> None:
+        self.ev = ev
+
+    def __await__(self) -> Generator[Any, None, None]:
+        yield from self.ev._wait_async()
+        self.ev._raise_fault()
+
+
+def _completed() -> DeviceEvent:
+    ev = DeviceEvent(None)
+    ev._done = True
+    return ev
+
+
+def _scalar_for(dt: np.dtype[Any], val: Any) -> np.generic:
+    try:
+        if dt.kind in "iu":
+            v = int(val)
+            info = np.iinfo(dt)
+            if not info.min <= v <= info.max or v != val:
+                raise ValueError(f"{val!r} does not fit {dt}")
+            return dt.type(v)
+        if dt.kind == "b":
+            return dt.type(bool(val))
+        return np.array(val, dtype=dt)[()]
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"{val!r} cannot be stored as {dt}: {e}") from None
+
+
+_live_states: set[_ContextState] = set()
+
+
+def _any_polled_open() -> bool:
+    return any(s.api == "cuda" and not s.closed for s in list(_live_states))
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

@@ -1,0 +1,488 @@
+"""The CPU device: a full backend whose memory is host memory and whose streams
+are ordered queues over the process's CPU thread pool.
+
+Each operation becomes a task that starts once its stream's previous operation
+(and anything the stream was told to wait for) has finished; copies and
+memsets are NumPy operations, CPU ranges and kernels fan out over the pool.
+Completion is pushed: the pool thread that finishes an operation finishes its
+event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._engine import cpu_pool, pool_size
+from ._errors import CompileError, UnsupportedError
+from ._event import DeviceEvent
+from ._function import DeviceFunction, Kernel, ThreadBlock
+from ._stream import _StreamImpl
+from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
+
+if TYPE_CHECKING:
+    from ._context import DeviceContext, _ContextState
+    from ._types import ConstantMemoryMapping, LaunchAttribute
+
+__all__ = ["CpuBackend"]
+
+# The limits the CPU device enforces on launches, chosen to match CUDA's so that a
+# program checked on one device is checked the same way on the other.
+_LIMITS: dict[DeviceAttribute, int] = {
+    DeviceAttribute.MAX_THREADS_PER_BLOCK: 1024,
+    DeviceAttribute.MAX_BLOCK_DIM_X: 1024,
+    DeviceAttribute.MAX_BLOCK_DIM_Y: 1024,
+    DeviceAttribute.MAX_BLOCK_DIM_Z: 64,
+    DeviceAttribute.MAX_GRID_DIM_X: 2**31 - 1,
+    DeviceAttribute.MAX_GRID_DIM_Y: 65535,
+    DeviceAttribute.MAX_GRID_DIM_Z: 65535,
+    DeviceAttribute.MAX_SHARED_MEMORY_PER_BLOCK: 48 * 1024,
+    DeviceAttribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: 1024 * 1024,
+    DeviceAttribute.WARP_SIZE: 1,
+    DeviceAttribute.INTEGRATED: 1,
+    DeviceAttribute.CAN_MAP_HOST_MEMORY: 1,
+    DeviceAttribute.UNIFIED_ADDRESSING: 1,
+    DeviceAttribute.CONCURRENT_KERNELS: 1,
+    DeviceAttribute.STREAM_PRIORITIES_SUPPORTED: 0,
+    DeviceAttribute.COOPERATIVE_LAUNCH: 0,
+    DeviceAttribute.CLUSTER_LAUNCH: 0,
+    DeviceAttribute.MULTICAST_SUPPORTED: 0,
+    DeviceAttribute.MEMORY_POOLS_SUPPORTED: 0,
+    DeviceAttribute.PAGEABLE_MEMORY_ACCESS: 1,
+    DeviceAttribute.MANAGED_MEMORY: 0,
+    DeviceAttribute.ECC_ENABLED: 0,
+}
+
+
+def _host_memory() -> tuple[int, int]:
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 0, 0
+
+
+def _raw_bytes(ptr: int, nbytes: int) -> np.ndarray:
+    """A uint8 view of raw host memory (the pointer overloads on the CPU device)."""
+    if nbytes == 0:
+        return np.empty(0, np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+class _HostAlloc:
+    """Host memory owned by a buffer (a NumPy array keeps it)."""
+
+    __slots__ = ("array", "host", "ptr")
+
+    def __init__(self, nbytes: int) -> None:
+        # 64-byte aligned, like a cache line, whatever NumPy's default is.
+        raw = np.empty(nbytes + 64, np.uint8)
+        start = (-raw.ctypes.data) % 64
+        self.array = raw
+        self.host = raw[start : start + nbytes]
+        self.ptr = self.host.ctypes.data
+
+    def release(self, stream: _StreamImpl) -> None:
+        pass  # NumPy frees it once nothing refers to it
+
+    def detach(self) -> None:
+        # The caller now owns the address; keep the memory alive for the process.
+        _detached.append(self.array)
+
+    def set_owner(self, stream: _StreamImpl) -> None:
+        pass
+
+
+_detached: list[np.ndarray] = []
+
+
+class CpuStream(_StreamImpl):
+    """An ordered queue of work over the CPU pool."""
+
+    def __init__(self, state: _ContextState, index: int, priority: int) -> None:
+        super().__init__(state, index, priority)
+        self._lock = threading.Lock()
+        self._tail: DeviceEvent | None = None
+        self._seq = 0
+
+    # -- the queue -------------------------------------------------------------------
+
+    def _enqueue(
+        self,
+        start: Callable[[DeviceEvent], None],
+        keep: Any = None,
+        extra: DeviceEvent | None = None,
+    ) -> DeviceEvent:
+        """Append an operation; ``start(ev)`` runs once everything before it on the
+        stream (and ``extra``) has finished, and must finish ``ev`` eventually."""
+        ev = DeviceEvent(self, 0, keep)
+        with self._lock:
+            self._seq += 1
+            ev._seq = self._seq
+            prev = self._tail
+            self._tail = ev
+        deps = [d for d in (prev, extra) if d is not None and not d._done]
+        if not deps:
+            start(ev)
+        elif len(deps) == 1:
+            deps[0].add_done_callback(lambda _d: start(ev))
+        else:
+            left = [len(deps)]
+            lock = threading.Lock()
+
+            def one_done(_d: DeviceEvent) -> None:
+                with lock:
+                    left[0] -= 1
+                    ready = left[0] == 0
+                if ready:
+                    start(ev)
+
+            for d in deps:
+                d.add_done_callback(one_done)
+        return ev
+
+    def _on_pool(self, fn: Callable[[], Any]) -> Callable[[DeviceEvent], None]:
+        def start(ev: DeviceEvent) -> None:
+            cpu_pool().submit(_run, ev, fn)
+
+        return start
+
+    def _fanout(self, n: int, work: Callable[[int, int], None]) -> Callable[[DeviceEvent], None]:
+        """Run ``work(lo, hi)`` over [0, n) in chunks on the pool; the event finishes
+        when every chunk has, with the first error raised, if any."""
+
+        def start(ev: DeviceEvent) -> None:
+            if n == 0:
+                ev._finish(None, None)
+                return
+            k = min(n, pool_size())
+            bounds = [(n * j // k, n * (j + 1) // k) for j in range(k)]
+            left = [k]
+            errors: list[BaseException] = []
+            lock = threading.Lock()
+
+            def chunk(lo: int, hi: int) -> None:
+                try:
+                    work(lo, hi)
+                except BaseException as e:
+                    with lock:
+                        errors.append(e)
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    ev._finish(None, errors[0] if errors else None)
+
+            pool = cpu_pool()
+            for lo, hi in bounds:
+                pool.submit(chunk, lo, hi)
+
+        return start
+
+    # -- submission ----------------------------------------------------------------
+
+    def copy(self, dst: Any, src: Any, nbytes: int, keep: Any) -> DeviceEvent:
+        def body() -> None:
+            d = dst._hostbytes if dst._hostbytes is not None else _raw_bytes(dst._ptr, nbytes)
+            s = src._hostbytes if src._hostbytes is not None else _raw_bytes(src._ptr, nbytes)
+            np.copyto(d[:nbytes], s[:nbytes])
+
+        return self._enqueue(self._on_pool(body), keep)
+
+    def memset(self, dst: Any, value: np.generic, count: int, keep: Any) -> DeviceEvent:
+        nbytes = count * value.dtype.itemsize
+
+        def body() -> None:
+            d = dst._hostbytes if dst._hostbytes is not None else _raw_bytes(dst._ptr, nbytes)
+            d[:nbytes].view(value.dtype)[...] = value
+
+        return self._enqueue(self._on_pool(body), keep)
+
+    def cpu_call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> DeviceEvent:
+        return self._enqueue(self._on_pool(lambda: fn(*args, **kwargs)), (fn, args, kwargs))
+
+    def cpu_range(self, fn: Callable[[int], Any], count: int) -> DeviceEvent:
+        return self._enqueue(self._fanout(count, _range_work(fn)), fn)
+
+    def launch(
+        self,
+        fn: DeviceFunction,
+        args: tuple[Any, ...],
+        grid: Dim,
+        block: Dim,
+        shmem: int,
+        cluster: Dim | None,
+        attributes: Sequence[LaunchAttribute],
+        constant_memory: Sequence[ConstantMemoryMapping],
+    ) -> DeviceEvent:
+        body = fn._impl
+        host_args = tuple(_kernel_arg(a) for a in args)
+        tidx = ThreadBlock.thread_indices(block)
+        gx, gy = grid.x, grid.y
+
+        def work(lo: int, hi: int) -> None:
+            for b in range(lo, hi):
+                bidx = Dim(b % gx, (b // gx) % gy, b // (gx * gy))
+                body(ThreadBlock(grid, block, bidx, tidx, shmem), *host_args)
+
+        return self._enqueue(self._fanout(grid.count(), work), (fn, args))
+
+    def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
+        return self._enqueue(_finish_now, None, extra=ev)
+
+    def tail(self) -> DeviceEvent | None:
+        return self._tail
+
+    def record(self, ev: DeviceEvent) -> None:
+        ev._done = False
+        ev._error = None
+        ev._stream = self
+        prev = self._tail
+
+        def stamp(_d: DeviceEvent | None = None) -> None:
+            if ev._timing is not False:
+                ev._timing = time.perf_counter_ns()
+            ev._finish(None, None)
+
+        if prev is None or prev._done:
+            stamp()
+        else:
+            prev.add_done_callback(stamp)
+
+
+def _run(ev: DeviceEvent, fn: Callable[[], Any]) -> None:
+    try:
+        value = fn()
+    except BaseException as e:
+        ev._finish(None, e)
+    else:
+        ev._finish(value, None)
+
+
+def _finish_now(ev: DeviceEvent) -> None:
+    ev._finish(None, None)
+
+
+def _range_work(fn: Callable[[int], Any]) -> Callable[[int, int], None]:
+    def work(lo: int, hi: int) -> None:
+        first: BaseException | None = None
+        for i in range(lo, hi):
+            try:
+                fn(i)
+            except BaseException as e:
+                if first is None:
+                    first = e
+        if first is not None:
+            raise first
+
+    return work
+
+
+def _kernel_arg(a: Any) -> Any:
+    hostbytes = getattr(a, "_hostbytes", None)
+    if hostbytes is not None:
+        return hostbytes.view(a._dtype)
+    return a
+
+
+class CpuBackend:
+    """The host as a device."""
+
+    api = "cpu"
+    polled = False
+
+    def __init__(self, device_id: int) -> None:
+        if device_id != 0:
+            raise IndexError(f"the CPU device has one device, id 0; got device_id={device_id}")
+        self.device_id = 0
+        self._info: GPUInfo | None = None
+
+    # -- facts -----------------------------------------------------------------------
+
+    @staticmethod
+    def number_of_devices() -> int:
+        return 1
+
+    def name(self) -> str:
+        return platform.processor() or platform.machine() or "cpu"
+
+    def info(self) -> GPUInfo:
+        if self._info is None:
+            total = _host_memory()[1]
+            self._info = GPUInfo(
+                name=self.name(),
+                api="cpu",
+                vendor="host",
+                arch="cpu",
+                compute_capability=None,
+                sm_count=pool_size(),
+                warp_size=1,
+                threads_per_block=_LIMITS[DeviceAttribute.MAX_THREADS_PER_BLOCK],
+                max_block_dim=(1024, 1024, 64),
+                max_grid_dim=(2**31 - 1, 65535, 65535),
+                shared_memory_per_block=_LIMITS[DeviceAttribute.MAX_SHARED_MEMORY_PER_BLOCK],
+                shared_memory_per_block_optin=_LIMITS[
+                    DeviceAttribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+                ],
+                total_memory=total,
+                clock_rate_khz=0,
+                memory_clock_rate_khz=0,
+                l2_cache_size=0,
+                extra={"cores": os.cpu_count() or 1, "pool_threads": pool_size()},
+            )
+        return self._info
+
+    def api_version(self) -> int:
+        major, minor, *_ = platform.python_version_tuple()
+        return int(major) * 1000 + int(minor) * 10
+
+    def attribute(self, attr: DeviceAttribute) -> int:
+        if attr == DeviceAttribute.MULTIPROCESSOR_COUNT:
+            return pool_size()
+        try:
+            return _LIMITS[DeviceAttribute(attr)]
+        except (KeyError, ValueError):
+            raise UnsupportedError(
+                f"the CPU device has no value for {DeviceAttribute(attr).name}"
+                if attr in DeviceAttribute._value2member_map_
+                else f"unknown device attribute {attr!r}"
+            ) from None
+
+    def memory_info(self) -> tuple[int, int]:
+        return _host_memory()
+
+    def max_single_alloc_size(self) -> int:
+        return _host_memory()[1]
+
+    def priority_range(self) -> StreamPriorityRange:
+        return StreamPriorityRange(0, 0)
+
+    def is_compatible(self) -> bool:
+        return True
+
+    def healthcheck(self) -> None:
+        """The CPU device is healthy when its pool runs work and its memory holds a
+        pattern; both are checked."""
+        probe = np.arange(4096, dtype=np.uint32) * np.uint32(2654435761)
+        out = cpu_pool().submit(np.copy, probe).result(timeout=30)
+        if not np.array_equal(out, probe):  # pragma: no cover - broken host
+            from ._errors import HealthCheckError
+
+            raise HealthCheckError("host memory did not hold a test pattern", check="memory")
+
+    def can_access(self, other: Any) -> bool:
+        return getattr(other, "api", None) == "cpu"
+
+    def enable_peer_access(self, other: Any) -> None:
+        if not self.can_access(other):
+            raise UnsupportedError("the CPU device can only reach other CPU contexts")
+
+    def supports_multicast(self) -> bool:
+        return False
+
+    @contextlib.contextmanager
+    def push_context(self) -> Iterator[None]:
+        yield
+
+    def set_as_current(self) -> None:
+        pass
+
+    # -- streams and memory ------------------------------------------------------------
+
+    def new_stream(self, state: _ContextState, index: int, priority: int) -> CpuStream:
+        return CpuStream(state, index, priority)
+
+    def external_stream(self, state: _ContextState, handle: Any, index: int) -> CpuStream:
+        raise UnsupportedError("the CPU device has no external streams to wrap")
+
+    def alloc_device(self, nbytes: int, stream: _StreamImpl) -> _HostAlloc:
+        return _HostAlloc(nbytes)
+
+    def alloc_host(self, nbytes: int, stream: _StreamImpl) -> _HostAlloc:
+        return _HostAlloc(nbytes)
+
+    def pointer_host_view(self, ptr: int, nbytes: int) -> np.ndarray | None:
+        return _raw_bytes(ptr, nbytes)
+
+    def init_user_event(
+        self, ev: DeviceEvent, blocking_sync: bool, disable_timing: bool, interprocess: bool
+    ) -> None:
+        if interprocess:
+            raise UnsupportedError("interprocess events need the CUDA device")
+        ev._timing = not disable_timing and 0
+
+    # -- functions ---------------------------------------------------------------------
+
+    def compile(
+        self,
+        ctx: DeviceContext,
+        func: Any,
+        name: str | None,
+        options: Any,
+        func_attribute: Any,
+        dump_asm: Any,
+    ) -> DeviceFunction:
+        if isinstance(func, Kernel):
+            if func.cpu is None:
+                raise UnsupportedError(
+                    f"kernel {func.name!r} has only a CUDA source; the CPU device needs a "
+                    "NumPy body (Kernel(..., cpu=fn))"
+                )
+            return DeviceFunction(ctx, func.name, func.cpu)
+        if callable(func):
+            return DeviceFunction(ctx, name or getattr(func, "__name__", "kernel"), func)
+        if isinstance(func, str):
+            raise UnsupportedError(
+                "the CPU device cannot run CUDA C++ source; pass a Kernel with a NumPy body "
+                "or a Python function"
+            )
+        raise TypeError(f"cannot compile {type(func).__name__}")
+
+    def load(
+        self, ctx: DeviceContext, function_name: str, asm: Any, func_attribute: Any
+    ) -> DeviceFunction:
+        raise CompileError("the CPU device cannot load PTX or cubin code")
+
+    def prepare_launch(self, fn: DeviceFunction, args: tuple[Any, ...]) -> None:
+        for a in args:
+            if type(a) in (int, float, complex, bool):
+                raise TypeError(
+                    f"kernel argument {a!r} is a Python {type(a).__name__}; give it a NumPy "
+                    "type (e.g. np.int32(n), np.float32(x)) so its C type is explicit"
+                )
+
+    def check_attributes(self, attributes: Sequence[LaunchAttribute]) -> None:
+        for a in attributes:
+            if a.id == LaunchAttributeID.COOPERATIVE and a.value:
+                raise UnsupportedError("the CPU device has no cooperative launches")
+
+    def function_attribute(self, fn: DeviceFunction, attr: int) -> int:
+        if attr == 0:
+            return _LIMITS[DeviceAttribute.MAX_THREADS_PER_BLOCK]
+        raise UnsupportedError(f"the CPU device has no value for function attribute {attr}")
+
+    def function_occupancy(self, fn: DeviceFunction, block_size: int, shmem: int) -> int:
+        if block_size <= 0 or block_size > _LIMITS[DeviceAttribute.MAX_THREADS_PER_BLOCK]:
+            raise ValueError(f"block_size {block_size} is outside 1..1024")
+        return 1
+
+    def close(self) -> None:
+        pass
+
+    def elapsed_ns(self, fn: Callable[[], Any], stream: _StreamImpl) -> int:
+        """Host nanoseconds from before the first call until the stream has finished
+        the work the calls enqueued."""
+        t0 = time.perf_counter_ns()
+        fn()
+        stream.synchronize()
+        return time.perf_counter_ns() - t0

@@ -1,0 +1,296 @@
+"""The completion engine: who notices that polled (GPU) work has finished.
+
+Push-completed streams (the CPU device) finish their events from the pool
+threads that run the work, so they need nothing from here but the pool.
+Poll-completed streams (CUDA) expose a monotonically increasing completion
+counter that the GPU writes into host-mapped memory after each operation, and
+events on one stream complete in submission order, so noticing completions
+costs one plain memory read per stream, whatever the number of pending events.
+
+Two pollers read those counters:
+
+* ``_Reactor``: one per asyncio event loop, a task on that loop. It polls every
+  stream with pending awaits once per loop iteration while completions keep
+  coming (``SPIN_S``), then parks on a timer, ``PARK_S`` at a time, so a long
+  kernel costs almost no CPU. Wake-ups it causes are plain ``set_result`` calls
+  on its own loop: no thread hop, no self-pipe write.
+* ``_Watcher``: one thread per process, for everything that is not an asyncio
+  await (``add_done_callback``, trio awaits, CPU functions enqueued behind GPU
+  work, sweeping finished work so that what it kept alive is released). It
+  spins briefly, then sleeps with backoff, and stops when it has nothing to do.
+
+Both ask the stream for sticky device faults whenever they have been idle for
+``FAULT_CHECK_S`` and fail every pending event of the faulted context, so no
+await hangs after a fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ._event import _LoopWaiter
+
+if TYPE_CHECKING:
+    from ._event import DeviceEvent
+    from ._stream import _PolledStream
+
+__all__ = ["cpu_pool", "pool_size", "reactor_for", "watcher"]
+
+SPIN_S = 0.0005  # keep polling every loop iteration this long after the last progress
+PARK_S = 0.001  # then poll on a timer this often
+FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
+INLINE_SPIN_S = 0.0001  # a lone awaiter polls inline this long before using the reactor
+
+_monotonic = time.perf_counter
+
+
+# -- the CPU thread pool ------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def pool_size() -> int:
+    """Threads in the CPU pool: ``$ASYNCGPU_CPU_THREADS``, else max(4, cores)."""
+    env = os.environ.get("ASYNCGPU_CPU_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(4, os.cpu_count() or 1)
+
+
+def cpu_pool() -> ThreadPoolExecutor:
+    """The process-wide pool that runs CPU functions, CPU ranges, CPU kernels and
+    the CPU device's copies."""
+    global _pool
+    pool = _pool
+    if pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(pool_size(), thread_name_prefix="asyncgpu-cpu")
+            pool = _pool
+    return pool
+
+
+# -- asyncio reactor --------------------------------------------------------------
+
+
+class _Reactor:
+    """Polls the streams awaited from one asyncio loop."""
+
+    __slots__ = ("__weakref__", "loop", "pending", "task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: dict[_PolledStream, list[int]] = {}
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any] | None:
+        w = _LoopWaiter(self.loop)
+        if not ev._add_waiter(w):
+            return None
+        heap = self.pending.get(stream)
+        if heap is None:
+            self.pending[stream] = [ev._seq]
+        else:
+            heapq.heappush(heap, ev._seq)
+        if self.task is None:
+            self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
+        return w.fut
+
+    def _poll_once(self) -> bool:
+        moved = False
+        pending = self.pending
+        for stream, heap in list(pending.items()):
+            c = stream._counter.value
+            if heap[0] <= c:
+                stream._retire()
+                while heap and heap[0] <= c:
+                    heapq.heappop(heap)
+                if not heap:
+                    del pending[stream]
+                moved = True
+        return moved
+
+    def _check_faults(self) -> None:
+        for stream in list(self.pending):
+            stream._check_fault()
+            heap = self.pending.get(stream)
+            if heap is not None and heap[0] <= stream._counter.value:
+                del self.pending[stream]
+
+    async def _run(self) -> None:
+        sleep = asyncio.sleep
+        last = _monotonic()
+        checked = last
+        try:
+            while self.pending:
+                if self._poll_once():
+                    last = checked = _monotonic()
+                    await sleep(0)
+                    continue
+                now = _monotonic()
+                if now - last < SPIN_S:
+                    await sleep(0)
+                    continue
+                if now - checked >= FAULT_CHECK_S:
+                    checked = now
+                    self._check_faults()
+                await sleep(PARK_S)
+        finally:
+            self.task = None
+
+
+_reactors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Reactor] = (
+    weakref.WeakKeyDictionary()
+)
+_reactors_lock = threading.Lock()
+
+
+def reactor_for(loop: asyncio.AbstractEventLoop) -> _Reactor:
+    r = _reactors.get(loop)
+    if r is None:
+        with _reactors_lock:
+            r = _reactors.get(loop)
+            if r is None:
+                r = _reactors[loop] = _Reactor(loop)
+    return r
+
+
+def await_polled(stream: _PolledStream, ev: DeviceEvent, loop: asyncio.AbstractEventLoop) -> Any:
+    """The asyncio await path of a polled stream (a generator for ``yield from``)."""
+    reactor = reactor_for(loop)
+    if not reactor.pending:
+        # A lone awaiter: poll inline for a moment. A bare ``yield`` hands the
+        # loop one iteration, exactly like ``asyncio.sleep(0)``.
+        counter = stream._counter
+        seq = ev._seq
+        t0 = _monotonic()
+        while True:
+            if counter.value >= seq:
+                stream._retire()
+                return
+            if _monotonic() - t0 > INLINE_SPIN_S:
+                break
+            yield
+    fut = reactor.add(stream, ev)
+    if fut is not None:
+        yield from fut
+
+
+# -- the watcher thread -------------------------------------------------------------
+
+
+class _Watcher:
+    """One daemon thread resolving callback waits on polled streams."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: dict[_PolledStream, list[int]] = {}
+        self._sweep: set[_PolledStream] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def watch(self, stream: _PolledStream, seq: int) -> None:
+        with self._cond:
+            heap = self._pending.get(stream)
+            if heap is None:
+                self._pending[stream] = [seq]
+            else:
+                heapq.heappush(heap, seq)
+            self._ensure_running()
+            self._cond.notify()
+
+    def sweep_later(self, stream: _PolledStream) -> None:
+        """Retire ``stream``'s finished work soon even if nobody waits on it, so the
+        objects its operations keep alive are released."""
+        if stream in self._sweep:
+            return
+        with self._cond:
+            self._sweep.add(stream)
+            self._ensure_running()
+            self._cond.notify()
+
+    def forget(self, stream: _PolledStream) -> None:
+        with self._cond:
+            self._pending.pop(stream, None)
+            self._sweep.discard(stream)
+
+    def _ensure_running(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._main, name="asyncgpu-watcher", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def _main(self) -> None:
+        last = checked = swept = _monotonic()
+        delay = 0.00005
+        while True:
+            with self._cond:
+                while not self._pending and not self._sweep and not self._stopping:
+                    if not self._cond.wait(timeout=1.0) and not self._pending and not self._sweep:
+                        self._thread = None
+                        return
+                if self._stopping:
+                    return
+                items = list(self._pending.items())
+                sweep = list(self._sweep) if _monotonic() - swept > 0.01 else ()
+            moved = False
+            for stream, heap in items:
+                c = stream._counter.value
+                if heap and heap[0] <= c:
+                    stream._retire()
+                    moved = True
+                    with self._cond:
+                        while heap and heap[0] <= c:
+                            heapq.heappop(heap)
+                        if not heap and self._pending.get(stream) is heap:
+                            del self._pending[stream]
+            if sweep:
+                swept = _monotonic()
+                for stream in sweep:
+                    if stream._retire():
+                        with self._cond:
+                            self._sweep.discard(stream)
+            now = _monotonic()
+            if moved:
+                last = checked = now
+                delay = 0.00005
+                continue
+            if now - checked >= FAULT_CHECK_S:
+                checked = now
+                for stream, _ in items:
+                    stream._check_fault()
+            if now - last < SPIN_S and items:
+                time.sleep(0)
+            else:
+                time.sleep(delay if items else 0.01)
+                delay = min(delay * 2, PARK_S)
+
+
+watcher = _Watcher()
+
+
+def call_when_done(ev: DeviceEvent, fn: Callable[[DeviceEvent], None]) -> None:
+    ev.add_done_callback(fn)

@@ -1,0 +1,262 @@
+"""DeviceEvent: the completion of one enqueued operation, awaitable from any loop.
+
+Every ``enqueue_*`` returns a ``DeviceEvent``. It is done when the operation it
+stands for has finished on its stream; its value is what the operation produced
+(the return value of a CPU function, else ``None``) and its error is what the
+operation raised. A user event from ``create_event`` is the same type: it stands
+for the last point of a stream where it was recorded.
+
+How an await resolves (docs/completion.md has the full story):
+
+* an event that is already done returns at once, with no driver call;
+* otherwise the stream is asked once whether the point was reached (on CUDA a
+  plain read of a counter that the GPU writes into host-mapped memory);
+* otherwise the awaiting task hands the event to its loop's reactor
+  (``asyncgpu._engine``), which polls every stream with pending awaits once per
+  loop iteration and parks on a timer when nothing moves. Under trio, or from a
+  thread, the engine's watcher thread resolves the wait.
+
+Cancelling a task that awaits an event never cancels the operation: only the
+waiter goes away, and a later await of the same event still works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
+
+from ._errors import AsyncGPUError
+
+if TYPE_CHECKING:
+    from ._stream import _StreamImpl
+
+__all__ = ["DeviceEvent"]
+
+_get_running_loop = asyncio._get_running_loop
+_get_ident = threading.get_ident
+
+
+class DeviceEvent:
+    """Completion point of an operation on a stream (``await``-able).
+
+    ``await event`` (asyncio or trio) returns the operation's value or raises its
+    error and never blocks the event loop; ``synchronize()`` blocks the calling
+    thread; ``query()`` never blocks.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_done",
+        "_error",
+        "_handle",
+        "_keep",
+        "_lock",
+        "_node",
+        "_seq",
+        "_stream",
+        "_timing",
+        "_value",
+        "_waiters",
+    )
+
+    def __init__(self, stream: _StreamImpl | None, seq: int = 0, keep: Any = None) -> None:
+        self._stream = stream
+        self._seq = seq
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._waiters: list[Any] | None = None
+        self._keep = keep
+        self._lock: threading.Lock | None = None
+        self._node: Any = None
+        self._handle: Any = None  # backend object of a user event (a CUevent on CUDA)
+        self._timing = False
+
+    # -- completion (called by the stream that owns the event) ---------------------
+
+    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        """Mark done and wake every waiter. Called exactly once, from any thread."""
+        lock = self._lock
+        if lock is None:
+            # No waiter has ever been registered and none can be mid-registration
+            # without having created the lock first (see _add_waiter).
+            self._value = value
+            self._error = error
+            self._done = True
+            self._keep = None
+            lock = self._lock
+            if lock is None:
+                return
+        with lock:
+            if not self._done:
+                self._value = value
+                self._error = error
+                self._done = True
+                self._keep = None
+            waiters, self._waiters = self._waiters, None
+        if waiters:
+            for w in waiters:
+                _wake(w, self)
+
+    def _add_waiter(self, waiter: Any) -> bool:
+        """Register a waiter; False if the event is already done (caller resolves)."""
+        lock = self._lock
+        if lock is None:
+            lock = _new_lock(self)
+        with lock:
+            if self._done:
+                return False
+            if self._waiters is None:
+                self._waiters = [waiter]
+            else:
+                self._waiters.append(waiter)
+            return True
+
+    def _outcome(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    # -- public face -------------------------------------------------------------
+
+    def query(self) -> bool:
+        """True if the operation has finished (successfully or not). Never blocks:
+        on CUDA it reads the stream's completion counter (no driver call)."""
+        if self._done:
+            return True
+        stream = self._stream
+        return stream is not None and stream._poll(self)
+
+    def synchronize(self) -> Any:
+        """Block the calling thread until the operation has finished; return its
+        value or raise its error. Works without any event loop."""
+        self._wait_blocking()
+        return self._outcome()
+
+    def add_done_callback(self, fn: Callable[[DeviceEvent], None]) -> None:
+        """Call ``fn(event)`` once the operation has finished, from whichever thread
+        notices it (a pool thread, the engine's watcher, or this thread if the event
+        is already done). ``fn`` must be quick and must not block."""
+        if self._done or self.query() or not self._add_waiter(fn):
+            fn(self)
+            return
+        stream = self._stream
+        if stream is not None:
+            stream._watch(self)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        if not (self._done or self.query()):
+            yield from self._wait_async()
+        return self._outcome()
+
+    def _wait_async(self) -> Generator[Any, None, None]:
+        """Wait for completion without returning the outcome."""
+        if self._done or self.query():
+            return
+        stream = self._stream
+        if stream is None:
+            raise AsyncGPUError("this event was never recorded on a stream")
+        loop = _get_running_loop()
+        if loop is not None:
+            yield from stream._await_asyncio(self, loop)
+        else:
+            yield from _await_other(self).__await__()
+
+    def _wait_blocking(self) -> None:
+        if not self._done:
+            stream = self._stream
+            if stream is None:
+                raise AsyncGPUError("this event was never recorded on a stream")
+            stream._block(self)
+
+    def _raise_fault(self) -> None:
+        """Raise the event's error if it is a device fault (a stream-level wait
+        reports faults, not the exceptions of individual CPU functions)."""
+        from ._errors import DeviceFaultError
+
+        if isinstance(self._error, DeviceFaultError):
+            raise self._error
+
+    def elapsed_time(self, end: DeviceEvent) -> float:
+        """Milliseconds between this event and ``end`` on the device; both must be
+        user events created with ``disable_timing=False`` and have completed."""
+        stream = self._stream
+        if stream is None or end._stream is None:
+            raise AsyncGPUError("both events must have been recorded")
+        return stream._elapsed_ms(self, end)
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "pending"
+        where = self._stream.label if self._stream is not None else "unrecorded"
+        return f"<DeviceEvent {where} #{self._seq} {state}>"
+
+
+_lock_guard = threading.Lock()
+
+
+def _new_lock(ev: DeviceEvent) -> threading.Lock:
+    with _lock_guard:
+        if ev._lock is None:
+            ev._lock = threading.Lock()
+        return ev._lock
+
+
+class _LoopWaiter:
+    """An asyncio future plus the thread that runs its loop."""
+
+    __slots__ = ("fut", "loop", "thread")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.fut = loop.create_future()
+        self.thread = _get_ident()
+
+
+def _set_future(fut: asyncio.Future[Any]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _wake(waiter: Any, ev: DeviceEvent) -> None:
+    if type(waiter) is _LoopWaiter:
+        if waiter.thread == _get_ident():
+            _set_future(waiter.fut)
+        else:
+            try:
+                waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is left to wake
+    else:
+        waiter(ev)
+
+
+def _loop_waiter(ev: DeviceEvent, loop: asyncio.AbstractEventLoop) -> _LoopWaiter | None:
+    """Register an asyncio waiter on a push-completed event (None: already done)."""
+    w = _LoopWaiter(loop)
+    return w if ev._add_waiter(w) else None
+
+
+async def _await_other(ev: DeviceEvent) -> None:
+    """Await from a non-asyncio loop (trio), through anyio-compatible primitives."""
+    import sniffio
+
+    lib = sniffio.current_async_library()
+    if lib != "trio":
+        raise AsyncGPUError(
+            f"awaiting a DeviceEvent is supported under asyncio and trio, not {lib}"
+        )
+    import trio
+
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_: DeviceEvent) -> None:
+        try:
+            token.run_sync_soon(done.set)
+        except trio.RunFinishedError:
+            pass
+
+    ev.add_done_callback(wake)
+    await done.wait()

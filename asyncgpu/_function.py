@@ -1,0 +1,165 @@
+"""Kernels and compiled functions.
+
+A ``Kernel`` may carry a CUDA C++ source (for the CUDA device) and a NumPy body
+(for the CPU device), so one program runs unchanged on either device.
+``compile_function`` turns it into a ``DeviceFunction`` for one context.
+
+The NumPy body is called once per thread block, with a ``ThreadBlock`` that
+holds the launch geometry and the block's thread indices as NumPy arrays,
+followed by the launch arguments (device and host buffers arrive as NumPy views
+of their memory)::
+
+    def axpy_cpu(b: ThreadBlock, a, x, y, n):
+        i = b.global_idx.x
+        i = i[i < n]
+        y[i] += a * x[i]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from ._types import Dim
+
+if TYPE_CHECKING:
+    from ._context import DeviceContext
+
+__all__ = ["DeviceExternalFunction", "DeviceFunction", "Kernel", "ThreadBlock", "kernel"]
+
+
+class Kernel:
+    """A kernel with a CUDA C++ source, a NumPy body, or both.
+
+    ``name`` is the ``extern "C"`` entry point in ``cuda``; ``cpu`` is called per
+    thread block on the CPU device (see ``ThreadBlock``).
+    """
+
+    __slots__ = ("compile_options", "cpu", "cuda", "name")
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        cuda: str | None = None,
+        cpu: Callable[..., Any] | None = None,
+        compile_options: str | tuple[str, ...] = (),
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise TypeError("a Kernel needs a non-empty name")
+        if cuda is None and cpu is None:
+            raise ValueError("a Kernel needs a CUDA source, a CPU body, or both")
+        if cpu is not None and not callable(cpu):
+            raise TypeError("the CPU body of a Kernel must be callable")
+        self.name = name
+        self.cuda = cuda
+        self.cpu = cpu
+        self.compile_options = compile_options
+
+    def __repr__(self) -> str:
+        parts = [p for p, v in (("cuda", self.cuda), ("cpu", self.cpu)) if v is not None]
+        return f"<Kernel {self.name} ({', '.join(parts)})>"
+
+
+def kernel(
+    *, cuda: str | None = None, name: str | None = None, compile_options: str = ""
+) -> Callable[[Callable[..., Any]], Kernel]:
+    """Decorator: the decorated function is the NumPy body, ``cuda`` the CUDA C++
+    source whose entry point is ``name`` (default: the function's name)."""
+
+    def wrap(fn: Callable[..., Any]) -> Kernel:
+        return Kernel(name or fn.__name__, cuda=cuda, cpu=fn, compile_options=compile_options)
+
+    return wrap
+
+
+class Idx3(NamedTuple):
+    """Per-thread indices of a block: three arrays of one entry per thread."""
+
+    x: np.ndarray
+    y: np.ndarray
+    z: np.ndarray
+
+
+class ThreadBlock:
+    """The launch geometry seen by one thread block of a CPU kernel.
+
+    ``thread_idx`` and ``global_idx`` hold one entry per thread of the block, with
+    ``x`` varying fastest (CUDA's linear thread order). ``shared`` is the block's
+    dynamic shared memory (``shared_mem_bytes`` bytes, zeroed per block).
+    """
+
+    __slots__ = ("block_dim", "block_idx", "global_idx", "grid_dim", "shared", "thread_idx")
+
+    def __init__(
+        self, grid_dim: Dim, block_dim: Dim, block_idx: Dim, thread_idx: Idx3, shmem: int
+    ) -> None:
+        self.grid_dim = grid_dim
+        self.block_dim = block_dim
+        self.block_idx = block_idx
+        self.thread_idx = thread_idx
+        self.global_idx = Idx3(
+            block_idx.x * block_dim.x + thread_idx.x,
+            block_idx.y * block_dim.y + thread_idx.y,
+            block_idx.z * block_dim.z + thread_idx.z,
+        )
+        self.shared = np.zeros(shmem, np.uint8)
+
+    @staticmethod
+    def thread_indices(block: Dim) -> Idx3:
+        n = np.arange(block.count(), dtype=np.int64)
+        return Idx3(n % block.x, (n // block.x) % block.y, n // (block.x * block.y))
+
+
+class DeviceFunction:
+    """A function compiled for one device context.
+
+    ``asm`` holds the PTX when compiled with ``dump_asm`` (CUDA), ``sass`` the
+    disassembly when the tools for it exist, ``log`` the compiler's log.
+    """
+
+    __slots__ = ("__weakref__", "_cfgs", "_ctx", "_impl", "asm", "log", "name", "sass")
+
+    def __init__(
+        self,
+        ctx: DeviceContext,
+        name: str,
+        impl: Any,
+        *,
+        asm: str | None = None,
+        sass: str | None = None,
+        log: str = "",
+    ) -> None:
+        self._ctx = ctx
+        self.name = name
+        self._impl = impl
+        self._cfgs: dict[Any, Any] = {}  # launch geometry, validated once per shape
+        self.asm = asm
+        self.sass = sass
+        self.log = log
+
+    def context(self) -> DeviceContext:
+        return self._ctx
+
+    def get_attribute(self, attr: int) -> int:
+        """A ``CUfunction_attribute`` of the function (``cuFuncGetAttribute``): for
+        example 0 max threads per block, 1 static shared bytes, 4 registers."""
+        self._ctx._check_open()
+        return self._ctx._state.backend.function_attribute(self, int(attr))
+
+    def occupancy(self, block_size: int, shared_mem_bytes: int = 0) -> int:
+        """Most blocks of ``block_size`` threads that can be resident on one
+        multiprocessor (``cuOccupancyMaxActiveBlocksPerMultiprocessor``)."""
+        self._ctx._check_open()
+        return self._ctx._state.backend.function_occupancy(self, block_size, shared_mem_bytes)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} on {self._ctx._state.describe()}>"
+
+
+class DeviceExternalFunction(DeviceFunction):
+    """A function loaded from PTX or a cubin (``load_function``)."""
+
+    __slots__ = ()

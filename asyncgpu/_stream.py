@@ -1,0 +1,315 @@
+"""Streams: ordered queues of device work.
+
+``_StreamImpl`` is the seam between the device-independent core and a device.
+A backend subclasses it and implements the submission methods; the core
+(``DeviceContext``, buffers, functions) calls only what is declared here.
+Two completion styles exist:
+
+* push (the CPU device): the thread that finishes an operation calls
+  ``DeviceEvent._finish``; waiting means registering a waiter;
+* poll (``_PolledStream``, CUDA): the device writes a completion counter after
+  each operation; events complete in order when the counter passes their
+  sequence number, and ``_retire`` finishes them.
+
+``DeviceStream`` is the public face of one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._errors import ContextClosedError, DeviceFaultError
+from ._event import DeviceEvent, _loop_waiter
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ._context import DeviceContext, _ContextState
+    from ._function import DeviceFunction
+    from ._types import ConstantMemoryMapping, Dim, LaunchAttribute
+
+__all__ = ["DeviceStream"]
+
+
+class _StreamImpl:
+    """One stream of one device (backend base class; push completion)."""
+
+    label: str = "stream"
+    priority: int = 0
+
+    def __init__(self, state: _ContextState, index: int, priority: int) -> None:
+        self.state = state
+        self.index = index
+        self.priority = priority
+        self.label = f"{state.api}:{state.device_id}/s{index}"
+
+    # -- submission (backends implement) ---------------------------------------------
+
+    def copy(self, dst: Any, src: Any, nbytes: int, keep: Any) -> DeviceEvent:
+        """Copy ``nbytes`` between two memory operands (see ``_buffer._Mem``)."""
+        raise NotImplementedError
+
+    def memset(self, dst: Any, value: np.generic, count: int, keep: Any) -> DeviceEvent:
+        raise NotImplementedError
+
+    def launch(
+        self,
+        fn: DeviceFunction,
+        args: tuple[Any, ...],
+        grid: Dim,
+        block: Dim,
+        shmem: int,
+        cluster: Dim | None,
+        attributes: Sequence[LaunchAttribute],
+        constant_memory: Sequence[ConstantMemoryMapping],
+    ) -> DeviceEvent:
+        raise NotImplementedError
+
+    def cpu_call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> DeviceEvent:
+        raise NotImplementedError
+
+    def cpu_range(self, fn: Callable[[int], Any], count: int) -> DeviceEvent:
+        raise NotImplementedError
+
+    def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
+        """Make later work on this stream wait, on the device, for ``ev``."""
+        raise NotImplementedError
+
+    def tail(self) -> DeviceEvent | None:
+        """The event of the last operation submitted (None: nothing yet)."""
+        raise NotImplementedError
+
+    def record(self, ev: DeviceEvent) -> None:
+        """Re-point the user event ``ev`` at the current end of this stream."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        ev = self.tail()
+        if ev is not None:
+            ev._wait_blocking()
+            ev._raise_fault()
+
+    def close(self) -> None:
+        """Release the stream (after its work is done)."""
+
+    def handle(self) -> int:
+        """The native handle (``CUstream`` address on CUDA, 0 on the CPU device)."""
+        return 0
+
+    # -- completion (push style; polled streams override) ---------------------------
+
+    def _poll(self, ev: DeviceEvent) -> bool:
+        return ev._done
+
+    def _block(self, ev: DeviceEvent) -> None:
+        flag = threading.Event()
+        if ev._add_waiter(lambda _e: flag.set()):
+            flag.wait()
+
+    def _watch(self, ev: DeviceEvent) -> None:
+        pass
+
+    def _await_asyncio(
+        self, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
+    ) -> Generator[Any, None, None]:
+        w = _loop_waiter(ev, loop)
+        if w is not None:
+            yield from w.fut
+
+    def _elapsed_ms(self, start: DeviceEvent, end: DeviceEvent) -> float:
+        t0 = start._timing
+        t1 = end._timing
+        if not (start._done and end._done):
+            raise RuntimeError("elapsed_time needs both events to have completed")
+        if isinstance(t0, bool) or isinstance(t1, bool):
+            raise ValueError("elapsed_time needs events created with disable_timing=False")
+        return (float(t1) - float(t0)) / 1e6
+
+
+class _PolledStream(_StreamImpl):
+    """A stream whose device writes a completion counter after every operation.
+
+    Subclasses set ``_counter`` (a ``ctypes.c_uint64`` over host-mapped memory)
+    and call ``_track`` for every event they submit, in submission order, under
+    ``_submit_lock``.
+    """
+
+    _counter: ctypes.c_uint64
+
+    def __init__(self, state: _ContextState, index: int, priority: int) -> None:
+        super().__init__(state, index, priority)
+        self._seq = 0
+        self._inflight: deque[DeviceEvent] = deque()
+        self._submit_lock = threading.Lock()
+        self._retire_lock = threading.Lock()
+        self._fault: BaseException | None = None
+
+    def _track(self, ev: DeviceEvent) -> None:
+        self._inflight.append(ev)
+
+    def tail(self) -> DeviceEvent | None:
+        inflight = self._inflight
+        try:
+            return inflight[-1]
+        except IndexError:
+            return None
+
+    def _retire(self) -> bool:
+        """Finish, in order, every event the counter has passed. Returns True when
+        nothing is left in flight."""
+        with self._retire_lock:
+            c = self._counter.value
+            inflight = self._inflight
+            done = []
+            while inflight and inflight[0]._seq <= c:
+                done.append(inflight.popleft())
+            empty = not inflight
+        for ev in done:
+            ev._finish(ev._value, ev._error)
+        return empty
+
+    def _poll(self, ev: DeviceEvent) -> bool:
+        if self._counter.value >= ev._seq:
+            self._retire()
+            return True
+        return ev._done
+
+    def _watch(self, ev: DeviceEvent) -> None:
+        from ._engine import watcher
+
+        watcher.watch(self, ev._seq)
+
+    def _await_asyncio(
+        self, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
+    ) -> Generator[Any, None, None]:
+        from ._engine import await_polled
+
+        yield from await_polled(self, ev, loop)
+
+    def _block(self, ev: DeviceEvent) -> None:
+        counter = self._counter
+        seq = ev._seq
+        t0 = last_check = time.perf_counter()
+        delay = 0.00002
+        while counter.value < seq and not ev._done:
+            now = time.perf_counter()
+            if now - t0 > 0.00005:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.001)
+                if now - last_check > 0.005:
+                    last_check = now
+                    self._check_fault()
+        self._retire()
+
+    # -- faults ----------------------------------------------------------------------
+
+    def _query_fault(self) -> BaseException | None:
+        """Ask the driver whether the stream's context has a sticky fault."""
+        return None
+
+    def _check_fault(self) -> None:
+        if not self._inflight:
+            return
+        err = self._fault or self._query_fault()
+        if err is not None:
+            self.state.fail_all(err)
+
+    def _fail(self, err: BaseException) -> None:
+        """Fail every event still in flight (the device will never finish them)."""
+        self._fault = err
+        with self._retire_lock:
+            pending = list(self._inflight)
+            self._inflight.clear()
+        for ev in pending:
+            e = DeviceFaultError(
+                f"{err} (operation #{ev._seq} on {self.label} did not complete)",
+                code=getattr(err, "code", None),
+                name=getattr(err, "name", None),
+            )
+            ev._finish(None, e)
+
+
+class DeviceStream:
+    """A stream of a device context: work enqueued on it runs in order.
+
+    ``await stream`` waits (without blocking the loop) for everything enqueued on
+    it so far; ``synchronize()`` blocks for the same.
+    """
+
+    __slots__ = ("_ctx", "_impl")
+
+    def __init__(self, ctx: DeviceContext, impl: _StreamImpl) -> None:
+        self._ctx = ctx
+        self._impl = impl
+
+    def context(self) -> DeviceContext:
+        """A view of the owning context bound to this stream."""
+        return self._ctx._view(self._impl)
+
+    def synchronize(self) -> None:
+        """Block until all work enqueued on this stream has completed
+        (``cuStreamSynchronize`` on CUDA)."""
+        self._ctx._check_open()
+        self._impl.synchronize()
+
+    def record_event(self, event: DeviceEvent) -> None:
+        """Record ``event`` at the current end of this stream (``cuEventRecord``)."""
+        self._ctx._check_open()
+        self._impl.record(event)
+
+    def enqueue_wait_for(self, other: Any) -> DeviceEvent:
+        """Make later work on this stream wait, on the device, for ``other`` (a
+        DeviceContext, DeviceStream or DeviceEvent). The host never blocks."""
+        return self.context().enqueue_wait_for(other)
+
+    def enqueue_function(self, f: Any, *args: Any, **launch: Any) -> DeviceEvent:
+        """Launch ``f`` on this stream (see ``DeviceContext.enqueue_function``)."""
+        return self.context().enqueue_function(f, *args, **launch)
+
+    def priority(self) -> int:
+        """The stream's priority (lower numbers are higher priority on CUDA)."""
+        return self._impl.priority
+
+    @property
+    def index(self) -> int:
+        return self._impl.index
+
+    @property
+    def handle(self) -> int:
+        """The native stream handle as an int (``CUstream``; 0 on the CPU device)."""
+        return self._impl.handle()
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol: ``(0, handle)``."""
+        if self._impl.state.api != "cuda":
+            raise TypeError("__cuda_stream__ is only defined for CUDA streams")
+        return (0, self._impl.handle())
+
+    def __await__(self) -> Generator[Any, None, None]:
+        self._ctx._check_open()
+        ev = self._impl.tail()
+        if ev is not None:
+            yield from ev._wait_async()
+            ev._raise_fault()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceStream) and other._impl is self._impl
+
+    def __hash__(self) -> int:
+        return id(self._impl)
+
+    def __repr__(self) -> str:
+        return f"<DeviceStream {self._impl.label} priority={self._impl.priority}>"
+
+
+def check_open(state: _ContextState) -> None:
+    if state.closed:
+        raise ContextClosedError(f"the DeviceContext {state.describe()} is closed")

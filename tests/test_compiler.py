@@ -1,0 +1,417 @@
+"""asyncgpu._compiler: CUDA C++ -> cubin with NVRTC, and its two caches.
+
+These tests need NVRTC (the ``nvidia-cuda-nvrtc`` wheel) but no GPU and no
+driver: NVRTC compiles for any architecture on any machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from asyncgpu._compiler import (
+    CompiledModule,
+    clear_memory_cache,
+    compile_cuda,
+    default_cache_dir,
+    dump_sass,
+    nvrtc_version,
+    write_dump,
+)
+from asyncgpu._errors import CompileError
+
+REPO = Path(__file__).resolve().parents[1]
+
+AXPY = r"""
+extern "C" __global__ void axpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"""
+
+# SCALE must come from the options (-DSCALE=...), so the options change the code.
+SCALED = r"""
+extern "C" __global__ void scale(float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] *= SCALE;
+}
+"""
+
+
+def _nvrtc_available() -> bool:
+    try:
+        nvrtc_version()
+    except CompileError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memory_cache():
+    """Each test starts with an empty in-process cache (its disk cache is its tmp_path)."""
+    clear_memory_cache()
+    yield
+    clear_memory_cache()
+
+
+def kernel_files(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.glob("*.kernel"))
+
+
+def run_fresh_python(code: str, cache_dir: Path) -> dict:
+    """Run ``code`` in a new interpreter whose default cache dir is ``cache_dir``;
+    it prints one JSON object, which is returned."""
+    env = dict(os.environ)
+    env["ASYNCGPU_CACHE_DIR"] = str(cache_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+FRESH_PROCESS_COMPILE = """
+import hashlib, json, sys
+from asyncgpu._compiler import compile_cuda
+m = compile_cuda({src!r}, "axpy", arch="sm_90", options={options!r}, want_ptx=True)
+print(json.dumps({{
+    "cache_hit": m.cache_hit,
+    "cubin_sha256": hashlib.sha256(m.cubin).hexdigest(),
+    "ptx": m.ptx,
+    "log": m.log,
+    "cuda_modules_imported": sorted(k for k in sys.modules if k.startswith("cuda")),
+}}))
+"""
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+@needs_nvrtc
+def test_compiles_an_extern_c_kernel_to_a_cubin_and_ptx_for_sm90(tmp_path):
+    m = compile_cuda(AXPY, "axpy", arch="sm_90", want_ptx=True, cache_dir=tmp_path)
+
+    assert isinstance(m, CompiledModule)
+    assert (m.name, m.arch) == ("axpy", "sm_90")
+    assert m.cubin[:4] == b"\x7fELF"  # machine code, not PTX for the driver to JIT
+    assert m.ptx is not None
+    assert ".entry axpy" in m.ptx
+    assert ".target sm_90" in m.ptx
+    assert m.log == ""  # clean code: NVRTC has nothing to say
+    assert m.cache_hit is False
+
+
+@needs_nvrtc
+def test_ptx_is_none_unless_asked_for(tmp_path):
+    m = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    assert m.ptx is None
+    assert m.cubin[:4] == b"\x7fELF"
+
+
+@needs_nvrtc
+def test_nvrtc_command_line_flags_are_accepted_as_a_string_or_a_sequence(tmp_path):
+    # -O3 is not an NVRTC flag; asyncgpu hands it to ptxas, as nvcc does for device code.
+    flags = "-O3 --use_fast_math -std=c++17 -DSCALE=4.0f -lineinfo"
+    as_string = compile_cuda(SCALED, "scale", arch="sm_90", options=flags, cache_dir=tmp_path)
+    as_list = compile_cuda(SCALED, "scale", arch="sm_90", options=flags.split(), cache_dir=tmp_path)
+
+    assert as_string.cubin[:4] == b"\x7fELF"
+    assert as_list.cubin == as_string.cubin
+    assert as_list.cache_hit  # the same flags, however spelled, are the same disk entry
+
+
+@needs_nvrtc
+def test_ptxas_verbose_output_lands_in_the_log(tmp_path):
+    m = compile_cuda(AXPY, "axpy", arch="sm_90", options="-Xptxas -v", cache_dir=tmp_path)
+    assert "Compiling entry function 'axpy' for 'sm_90'" in m.log
+    assert "registers" in m.log
+
+
+@needs_nvrtc
+def test_nvrtc_version_is_major_minor():
+    major, minor = nvrtc_version()
+    assert isinstance(major, int) and isinstance(minor, int)
+    assert major >= 12
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@needs_nvrtc
+def test_a_syntax_error_raises_compile_error_carrying_nvrtcs_log(tmp_path):
+    broken = 'extern "C" __global__ void axpy(float* y) { y[0] = 1.0f }'  # missing ';'
+
+    with pytest.raises(CompileError) as info:
+        compile_cuda(broken, "axpy", arch="sm_90", cache_dir=tmp_path)
+
+    err = info.value
+    assert "'axpy'" in str(err) and "sm_90" in str(err)
+    assert "error" in err.log
+    assert 'expected a ";"' in err.log  # NVRTC's own words
+    assert "axpy.cu(1)" in err.log  # with the line it points at
+    assert kernel_files(tmp_path) == []  # failures are not cached
+
+
+@needs_nvrtc
+def test_an_unknown_flag_raises_compile_error_naming_it(tmp_path):
+    with pytest.raises(CompileError) as info:
+        compile_cuda(AXPY, "axpy", arch="sm_90", options="--no-such-flag", cache_dir=tmp_path)
+    assert "--no-such-flag" in info.value.log
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(
+    "options",
+    ["-arch=sm_80", "--gpu-architecture=sm_80", "-arch sm_80", ["-arch", "compute_90"]],
+)
+def test_options_naming_another_architecture_raise_value_error(tmp_path, options):
+    with pytest.raises(ValueError, match="arch"):
+        compile_cuda(AXPY, "axpy", arch="sm_90", options=options, cache_dir=tmp_path)
+
+
+@needs_nvrtc
+def test_options_repeating_the_same_architecture_are_fine(tmp_path):
+    m = compile_cuda(AXPY, "axpy", arch="sm_90", options="-arch=sm_90", cache_dir=tmp_path)
+    assert m.cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ["90", "compute_90", "sm90", ""])
+def test_arch_must_be_a_real_sm_architecture(tmp_path, arch):
+    with pytest.raises(ValueError, match="sm_90"):
+        compile_cuda(AXPY, "axpy", arch=arch, cache_dir=tmp_path)
+
+
+@needs_nvrtc
+def test_a_kernel_name_missing_from_the_code_raises_compile_error(tmp_path):
+    with pytest.raises(CompileError, match=r"'saxpy' not found.*kernels found: axpy"):
+        compile_cuda(AXPY, "saxpy", arch="sm_90", cache_dir=tmp_path)
+
+
+@needs_nvrtc
+def test_kernels_must_be_extern_c(tmp_path):
+    cxx = "__global__ void axpy(float* y) { y[0] = 1.0f; }"  # C++ linkage: mangled symbol
+    with pytest.raises(CompileError, match='extern "C"'):
+        compile_cuda(cxx, "axpy", arch="sm_90", cache_dir=tmp_path)
+
+
+def test_missing_nvrtc_raises_compile_error_with_the_install_hint(tmp_path):
+    code = (
+        "import json, sys\n"
+        "sys.modules['cuda.bindings'] = None  # as if cuda-bindings were not installed\n"
+        "from asyncgpu._compiler import compile_cuda\n"
+        "from asyncgpu._errors import CompileError\n"
+        "try:\n"
+        f"    compile_cuda({AXPY!r}, 'axpy', arch='sm_90')\n"
+        "except CompileError as e:\n"
+        "    print(json.dumps({'error': str(e)}))\n"
+    )
+    out = run_fresh_python(code, tmp_path)
+    assert "NVRTC" in out["error"]
+    assert "pip install asyncgpu[cuda]" in out["error"]
+
+
+# --------------------------------------------------------------------------- caching
+
+
+@needs_nvrtc
+def test_a_repeat_call_is_served_from_the_in_process_cache(tmp_path):
+    cold = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    warm = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    again = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+
+    assert cold.cache_hit is False
+    assert warm.cache_hit is True
+    assert warm.cubin == cold.cubin
+    assert again is warm  # a repeat is one dictionary lookup returning the stored result
+
+
+@needs_nvrtc
+def test_a_fresh_process_is_served_from_disk_without_loading_nvrtc(tmp_path):
+    options = "-DSCALE=2 -Xptxas -v"
+    here = compile_cuda(
+        AXPY, "axpy", arch="sm_90", options=options, want_ptx=True, cache_dir=tmp_path
+    )
+    assert len(kernel_files(tmp_path)) == 1
+
+    there = run_fresh_python(FRESH_PROCESS_COMPILE.format(src=AXPY, options=options), tmp_path)
+
+    assert there["cache_hit"] is True
+    assert there["cubin_sha256"] == hashlib.sha256(here.cubin).hexdigest()
+    assert there["ptx"] == here.ptx
+    assert there["log"] == here.log  # ptxas -v info survives the cache
+    assert there["cuda_modules_imported"] == []  # a hit needs no NVRTC, not even cuda-python
+
+
+@needs_nvrtc
+def test_a_fresh_process_with_an_empty_cache_compiles(tmp_path):
+    code = FRESH_PROCESS_COMPILE.format(src=AXPY, options="")
+    first = run_fresh_python(code, tmp_path)
+    second = run_fresh_python(code, tmp_path)
+
+    assert first["cache_hit"] is False
+    assert second["cache_hit"] is True
+    assert second["cubin_sha256"] == first["cubin_sha256"]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"options": "-DSCALE=3.0f"},
+        {"arch": "sm_80"},
+        {"source": SCALED.replace("*=", "+=")},
+    ],
+    ids=["options", "arch", "source"],
+)
+def test_options_arch_and_source_each_key_their_own_entry(tmp_path, change):
+    base = {"source": SCALED, "options": "-DSCALE=2.0f", "arch": "sm_90"}
+    varied = {**base, **change}
+
+    def build(spec: dict) -> CompiledModule:
+        return compile_cuda(
+            spec["source"], "scale", arch=spec["arch"], options=spec["options"], cache_dir=tmp_path
+        )
+
+    first, other = build(base), build(varied)
+
+    assert first.cache_hit is False
+    assert other.cache_hit is False
+    assert other.cubin != first.cubin
+    assert len(kernel_files(tmp_path)) == 2
+    clear_memory_cache()  # both are now served from disk, each from its own entry
+    assert build(base).cubin == first.cubin
+    assert build(varied).cubin == other.cubin
+
+
+@needs_nvrtc
+def test_asking_for_ptx_later_recompiles_once_and_then_serves_both(tmp_path):
+    cubin_only = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    with_ptx = compile_cuda(AXPY, "axpy", arch="sm_90", want_ptx=True, cache_dir=tmp_path)
+    clear_memory_cache()
+    from_disk = compile_cuda(AXPY, "axpy", arch="sm_90", want_ptx=True, cache_dir=tmp_path)
+    plain = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+
+    assert cubin_only.ptx is None
+    assert with_ptx.cache_hit is False  # the stored entry had no PTX
+    assert with_ptx.ptx is not None and ".entry axpy" in with_ptx.ptx
+    assert from_disk.cache_hit is True and from_disk.ptx == with_ptx.ptx
+    assert plain.cache_hit is True and plain.ptx is None
+    assert len(kernel_files(tmp_path)) == 1
+
+
+def _torn(data: bytes) -> bytes:
+    return data[:-10]
+
+
+def _bit_flipped(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0x01]) + data[middle + 1 :]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("damage", [_torn, _bit_flipped], ids=["torn", "bit-flipped"])
+def test_a_corrupt_disk_entry_is_a_miss_and_is_rewritten(tmp_path, damage):
+    good = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    (entry,) = kernel_files(tmp_path)
+    entry.write_bytes(damage(entry.read_bytes()))
+    clear_memory_cache()
+
+    rebuilt = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    clear_memory_cache()
+    served = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+
+    assert rebuilt.cache_hit is False and rebuilt.cubin == good.cubin
+    assert served.cache_hit is True and served.cubin == good.cubin
+
+
+@needs_nvrtc
+def test_use_cache_false_neither_reads_nor_writes(tmp_path):
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path / "warm")
+    m = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path / "cold", use_cache=False)
+
+    assert m.cache_hit is False
+    assert not (tmp_path / "cold").exists()
+
+
+@needs_nvrtc
+def test_concurrent_calls_for_one_kernel_compile_it_once(tmp_path):
+    hits: list[bool] = []
+    lock = threading.Lock()
+
+    def compile_once() -> None:
+        m = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+        with lock:
+            hits.append(m.cache_hit)
+
+    threads = [threading.Thread(target=compile_once) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert sorted(hits) == [False] + [True] * 7
+
+
+def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("ASYNCGPU_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "mine"
+
+    monkeypatch.delenv("ASYNCGPU_CACHE_DIR")
+    assert default_cache_dir() == tmp_path / "xdg" / "asyncgpu" / "kernels"
+
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_cache_dir() == Path.home() / ".cache" / "asyncgpu" / "kernels"
+
+
+# --------------------------------------------------------------------------- dumps
+
+
+def test_write_dump_false_does_nothing_and_true_returns_the_text(tmp_path):
+    assert write_dump(".version 9.0", False, ".ptx") is None
+    assert write_dump(".version 9.0", True, ".ptx") == ".version 9.0"
+
+
+def test_write_dump_to_a_path_writes_the_file_and_returns_its_path(tmp_path):
+    target = tmp_path / "out" / "axpy.ptx"  # parent directories are created
+    assert write_dump(".version 9.0", target, ".ptx") == str(target)
+    assert target.read_text() == ".version 9.0"
+
+    as_str = str(tmp_path / "%-dump.ptx")  # '%' stands for the kernel name
+    assert write_dump("x", as_str, ".ptx", name="axpy") == str(tmp_path / "axpy-dump.ptx")
+
+    # An existing directory receives <name><suffix>.
+    assert write_dump("y", tmp_path, ".sass", name="axpy") == str(tmp_path / "axpy.sass")
+    assert (tmp_path / "axpy.sass").read_text() == "y"
+
+
+def _have_disassembler() -> bool:
+    if shutil.which("cuobjdump") or shutil.which("nvdisasm"):
+        return True
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+    except ImportError:
+        return False
+    return bool(find_nvidia_binary_utility("cuobjdump") or find_nvidia_binary_utility("nvdisasm"))
+
+
+@needs_nvrtc
+def test_dump_sass_disassembles_with_cuda_tools_or_returns_none(tmp_path):
+    m = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    sass = dump_sass(m.cubin)
+    if _have_disassembler():
+        assert sass is not None and "axpy" in sass and "EXIT" in sass
+    else:
+        assert sass is None
