@@ -13,6 +13,7 @@ the host can touch the memory, else ``None``) and ``_kind``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -216,14 +217,12 @@ class _BufferBase:
 
     def enqueue_fill(self, value: Any) -> DeviceEvent:
         """Set every element to ``value`` on the owning stream."""
-        return self.context().enqueue_memset(self, value)
+        return self.context().enqueue_memset(self, value)  # type: ignore[arg-type]
 
     def __del__(self) -> None:
         if self._owns and self._alloc is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._alloc.release(self._owner)
-            except Exception:
-                pass
 
     def __repr__(self) -> str:
         return (
@@ -285,7 +284,7 @@ class HostBuffer(_BufferBase):
         self.as_numpy()[index] = value
 
     def __buffer__(self, flags: int) -> memoryview:
-        return memoryview(self.as_numpy())
+        return memoryview(self.as_numpy())  # type: ignore[arg-type]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         a = self.as_numpy()

@@ -48,8 +48,12 @@ def _backend_class(api: str) -> Any:
 
         return CpuBackend
     if api == "cuda":
-        from ._cuda import CudaBackend
-
+        try:
+            from ._cuda import CudaBackend
+        except ImportError as e:
+            raise NoDeviceError(
+                f"the CUDA device needs cuda-python ({e}); pip install 'asyncgpu[cuda]'"
+            ) from None
         return CudaBackend
     raise ValueError(f"unknown device api {api!r}: use 'cuda' or 'cpu'")
 
@@ -162,6 +166,9 @@ class DeviceContext:
     """
 
     __slots__ = ("__weakref__", "_impl", "_ref", "_state")
+    _state: _ContextState
+    _impl: _StreamImpl
+    _ref: _Ref
 
     _instances_lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -189,7 +196,7 @@ class DeviceContext:
         if num_streams < 1:
             raise ValueError(f"num_streams must be at least 1, got {num_streams}")
         self._state = _ContextState(api, int(device_id), num_streams)
-        self._impl = self._state.streams[0]
+        self._impl = self._state.stream(0)
         self._ref = _Ref()
         _live_states.add(self._state)
         if os.environ.get("ASYNCGPU_TRACE"):
@@ -222,7 +229,16 @@ class DeviceContext:
             state.refs -= 1
             last = state.refs == 0
         if last:
+            trace = state.trace
             state.close()
+            if trace is not None and trace.path:
+                from . import _trace_export
+
+                with contextlib.suppress(Exception):
+                    path = trace.path.replace("{pid}", str(os.getpid())).replace(
+                        "{ctx}", f"{state.api}{state.device_id}-{id(state):x}"
+                    )
+                    _trace_export.write_chrome_trace(trace, path)
             from ._engine import watcher
 
             if not _any_polled_open():
@@ -230,12 +246,18 @@ class DeviceContext:
             _live_states.discard(state)
 
     async def aclose(self) -> None:
-        """Await all work on every stream of the context, then close it."""
-        if self._ref.open and not self._state.closed:
-            for s in self._state.all_streams():
-                ev = s.tail()
-                if ev is not None:
-                    await _Wait(ev)
+        """Await all work on every stream of the context, then close it. If the
+        awaiting task is cancelled, the context is still closed: a background thread
+        waits for the work and releases everything, and the loop never blocks."""
+        try:
+            if self._ref.open and not self._state.closed:
+                for s in self._state.all_streams():
+                    ev = s.tail()
+                    if ev is not None:
+                        await _Wait(ev)
+        except BaseException:
+            threading.Thread(target=self.close, name="asyncgpu-close", daemon=True).start()
+            raise
         self.close()
 
     def __enter__(self) -> DeviceContext:
@@ -558,22 +580,25 @@ class DeviceContext:
                 raise TypeError("enqueue_copy needs a buffer on at least one side")
         impl = self._impl
         owners: tuple[_StreamImpl, ...] = ()
+        tails: tuple[DeviceEvent, ...] = ()
         if cross:
             do, so = d._owner, s._owner
             if do is not None and do is not impl:
                 owners = (do,)
             if so is not None and so is not impl and so is not do:
                 owners = (*owners, so)
-            for o in owners:
-                t = o.tail()
-                if t is not None and not t._done:
-                    impl.wait_event(t)
+            if owners:
+                tails = tuple(t for o in owners if (t := o.tail()) is not None)
+                for t in tails:
+                    if not t._done:
+                        impl.wait_event(t)
         ev = impl.copy(d, s, nbytes, (dst, src))
         for o in owners:
             o.wait_event(ev)
         if state.trace is not None:
-            waits = tuple(t for o in owners if (t := o.tail()) is not None)
-            state.trace.record(impl, ev, "copy", f"copy {s._kind}->{d._kind}", nbytes, waits)
+            # The edges are the owners' work the copy was ordered after (their tails
+            # before the copy, not the waits inserted behind it).
+            state.trace.record(impl, ev, "copy", f"copy {s._kind}->{d._kind}", nbytes, tails)
         return ev
 
     def _operand(self, obj: Any, writable: bool) -> Any:
@@ -709,32 +734,35 @@ class DeviceContext:
         state = self._state
         if state.closed or not self._ref.open:
             self._check_open()
-        if type(f) is not DeviceFunction:
+        if type(f) is not DeviceFunction or f._ctx._state is not state:
             f = self._compiled(f, func_attribute)
         key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes, *attributes)
         try:
             cfg = f._cfgs[key]
         except KeyError:
             cfg = f._cfgs[key] = self._launch_config(
-                grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
+                f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
             )
         except TypeError:  # an unhashable dimension: let validation say what is wrong
             cfg = self._launch_config(
-                grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
+                f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
             )
-        ev = self._impl.launch(f, args, cfg[0], cfg[1], cfg[2], cfg[3], attributes, constant_memory)
+        ev = self._impl.launch(f, args, cfg, constant_memory)
         if state.trace is not None:
             state.trace.record(self._impl, ev, "kernel", f.name)
         return ev
 
     def _launch_config(
         self,
+        f: DeviceFunction,
         grid_dim: DimLike,
         block_dim: DimLike,
         cluster_dim: DimLike | None,
         shared_mem_bytes: int | None,
         attributes: Sequence[LaunchAttribute],
-    ) -> tuple[Dim, Dim, int, Dim | None]:
+    ) -> Any:
+        """Validate a launch geometry against the device's limits once; the backend
+        turns it into its own launch configuration, cached on the function."""
         state = self._state
         grid = Dim.of(grid_dim, "grid_dim")
         block = Dim.of(block_dim, "block_dim")
@@ -747,7 +775,7 @@ class DeviceContext:
                     raise ValueError("cluster_dim and a CLUSTER_DIMENSION attribute disagree")
                 cluster = a.value
         lim = state.limit
-        threads = block.count()
+        threads = block.size()
         if threads > lim(DeviceAttribute.MAX_THREADS_PER_BLOCK):
             raise ValueError(
                 f"block_dim {tuple(block)} has {threads} threads; the device allows "
@@ -778,13 +806,12 @@ class DeviceContext:
         if cluster is not None:
             if state.api != "cuda" or not lim(DeviceAttribute.CLUSTER_LAUNCH):
                 raise UnsupportedError("this device has no thread-block clusters")
-            for g, c in zip(grid, cluster):
+            for g, c in zip(grid, cluster, strict=False):
                 if g % c:
                     raise ValueError(
                         f"grid_dim {tuple(grid)} is not a multiple of cluster_dim {tuple(cluster)}"
                     )
-        state.backend.check_attributes(attributes)
-        return grid, block, shmem, cluster
+        return state.backend.make_launch_config(f, grid, block, shmem, cluster, attributes)
 
     def enqueue_cpu_function(
         self, func: Callable[..., Any], *args: Any, **kwargs: Any
@@ -917,8 +944,12 @@ def _scalar_for(dt: np.dtype[Any], val: Any) -> np.generic:
             return dt.type(v)
         if dt.kind == "b":
             return dt.type(bool(val))
-        return np.array(val, dtype=dt)[()]
-    except (TypeError, OverflowError) as e:
+        if val is None or isinstance(val, (str, bytes)):
+            raise TypeError("not a number")
+        with np.errstate(over="raise"):  # 1e300 does not fit float32: no silent inf
+            out: np.generic = np.array(val, dtype=dt)[()]  # type: ignore[assignment]
+            return out
+    except (TypeError, OverflowError, FloatingPointError) as e:
         raise ValueError(f"{val!r} cannot be stored as {dt}: {e}") from None
 
 

@@ -102,6 +102,7 @@ class _HostAlloc:
 
 
 _detached: list[np.ndarray] = []
+_PARALLEL_COPY_BYTES = 16 << 20
 
 
 class CpuStream(_StreamImpl):
@@ -190,12 +191,19 @@ class CpuStream(_StreamImpl):
     # -- submission ----------------------------------------------------------------
 
     def copy(self, dst: Any, src: Any, nbytes: int, keep: Any) -> DeviceEvent:
-        def body() -> None:
-            d = dst._hostbytes if dst._hostbytes is not None else _raw_bytes(dst._ptr, nbytes)
-            s = src._hostbytes if src._hostbytes is not None else _raw_bytes(src._ptr, nbytes)
-            np.copyto(d[:nbytes], s[:nbytes])
+        d = dst._hostbytes if dst._hostbytes is not None else _raw_bytes(dst._ptr, nbytes)
+        s = src._hostbytes if src._hostbytes is not None else _raw_bytes(src._ptr, nbytes)
+        if nbytes < _PARALLEL_COPY_BYTES:
+            return self._enqueue(self._on_pool(lambda: np.copyto(d[:nbytes], s[:nbytes])), keep)
+        # Large copies: pieces of at least 4 MiB on several pool threads at once.
+        pieces = max(1, min(pool_size(), nbytes // (4 << 20)))
 
-        return self._enqueue(self._on_pool(body), keep)
+        def piece(lo: int, hi: int) -> None:
+            for j in range(lo, hi):
+                a, b = nbytes * j // pieces, nbytes * (j + 1) // pieces
+                np.copyto(d[a:b], s[a:b])
+
+        return self._enqueue(self._fanout(pieces, piece), keep)
 
     def memset(self, dst: Any, value: np.generic, count: int, keep: Any) -> DeviceEvent:
         nbytes = count * value.dtype.itemsize
@@ -218,13 +226,18 @@ class CpuStream(_StreamImpl):
         self,
         fn: DeviceFunction,
         args: tuple[Any, ...],
-        grid: Dim,
-        block: Dim,
-        shmem: int,
-        cluster: Dim | None,
-        attributes: Sequence[LaunchAttribute],
+        cfg: Any,
         constant_memory: Sequence[ConstantMemoryMapping],
     ) -> DeviceEvent:
+        grid, block, shmem = cfg
+        if constant_memory:
+            raise UnsupportedError("the CPU device has no __constant__ memory")
+        for a in args:
+            if type(a) in (int, float, complex, bool):
+                raise TypeError(
+                    f"kernel argument {a!r} is a Python {type(a).__name__}; give it a NumPy "
+                    "type (e.g. np.int32(n), np.float32(x)) so its C type is explicit"
+                )
         body = fn._impl
         host_args = tuple(_kernel_arg(a) for a in args)
         tidx = ThreadBlock.thread_indices(block)
@@ -235,7 +248,7 @@ class CpuStream(_StreamImpl):
                 bidx = Dim(b % gx, (b // gx) % gy, b // (gx * gy))
                 body(ThreadBlock(grid, block, bidx, tidx, shmem), *host_args)
 
-        return self._enqueue(self._fanout(grid.count(), work), (fn, args))
+        return self._enqueue(self._fanout(grid.size(), work), (fn, args))
 
     def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
         return self._enqueue(_finish_now, None, extra=ev)
@@ -440,7 +453,7 @@ class CpuBackend:
                 )
             return DeviceFunction(ctx, func.name, func.cpu)
         if callable(func):
-            return DeviceFunction(ctx, name or getattr(func, "__name__", "kernel"), func)
+            return DeviceFunction(ctx, str(name or getattr(func, "__name__", "kernel")), func)
         if isinstance(func, str):
             raise UnsupportedError(
                 "the CPU device cannot run CUDA C++ source; pass a Kernel with a NumPy body "
@@ -453,18 +466,19 @@ class CpuBackend:
     ) -> DeviceFunction:
         raise CompileError("the CPU device cannot load PTX or cubin code")
 
-    def prepare_launch(self, fn: DeviceFunction, args: tuple[Any, ...]) -> None:
-        for a in args:
-            if type(a) in (int, float, complex, bool):
-                raise TypeError(
-                    f"kernel argument {a!r} is a Python {type(a).__name__}; give it a NumPy "
-                    "type (e.g. np.int32(n), np.float32(x)) so its C type is explicit"
-                )
-
-    def check_attributes(self, attributes: Sequence[LaunchAttribute]) -> None:
+    def make_launch_config(
+        self,
+        fn: DeviceFunction,
+        grid: Dim,
+        block: Dim,
+        shmem: int,
+        cluster: Dim | None,
+        attributes: Sequence[LaunchAttribute],
+    ) -> tuple[Dim, Dim, int]:
         for a in attributes:
             if a.id == LaunchAttributeID.COOPERATIVE and a.value:
                 raise UnsupportedError("the CPU device has no cooperative launches")
+        return grid, block, shmem
 
     def function_attribute(self, fn: DeviceFunction, attr: int) -> int:
         if attr == 0:

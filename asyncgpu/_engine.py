@@ -32,6 +32,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -42,12 +43,13 @@ if TYPE_CHECKING:
     from ._event import DeviceEvent
     from ._stream import _PolledStream
 
-__all__ = ["cpu_pool", "pool_size", "reactor_for", "watcher"]
+__all__ = ["cpu_pool", "polled_future", "pool_size", "reactor_for", "watcher"]
 
 SPIN_S = 0.0005  # keep polling every loop iteration this long after the last progress
 PARK_S = 0.001  # then poll on a timer this often
 FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
-INLINE_SPIN_S = 0.0001  # a lone awaiter polls inline this long before using the reactor
+WAKE_BATCH = 48  # futures a reactor completes per loop iteration (bounds iteration time)
+INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
 
 _monotonic = time.perf_counter
 
@@ -85,15 +87,18 @@ def cpu_pool() -> ThreadPoolExecutor:
 class _Reactor:
     """Polls the streams awaited from one asyncio loop."""
 
-    __slots__ = ("__weakref__", "loop", "pending", "task")
+    __slots__ = ("__weakref__", "deferred", "loop", "pending", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.pending: dict[_PolledStream, list[int]] = {}
+        # Futures of finished events, completed WAKE_BATCH per iteration so that a
+        # burst of completions never makes one loop iteration long (loop lag).
+        self.deferred: deque[asyncio.Future[Any]] = deque()
         self.task: asyncio.Task[None] | None = None
 
     def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any] | None:
-        w = _LoopWaiter(self.loop)
+        w = _LoopWaiter(self.loop, self)
         if not ev._add_waiter(w):
             return None
         heap = self.pending.get(stream)
@@ -123,16 +128,27 @@ class _Reactor:
         for stream in list(self.pending):
             stream._check_fault()
             heap = self.pending.get(stream)
-            if heap is not None and heap[0] <= stream._counter.value:
-                del self.pending[stream]
+            if heap is not None and (heap[0] <= stream._counter.value or stream._fault):
+                del self.pending[stream]  # finished, or failed by the fault
+
+    def _wake_some(self) -> None:
+        d = self.deferred
+        for _ in range(min(WAKE_BATCH, len(d))):
+            fut = d.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
     async def _run(self) -> None:
         sleep = asyncio.sleep
         last = _monotonic()
         checked = last
         try:
-            while self.pending:
-                if self._poll_once():
+            while self.pending or self.deferred:
+                moved = self._poll_once()
+                if self.deferred:
+                    self._wake_some()
+                    moved = True
+                if moved:
                     last = checked = _monotonic()
                     await sleep(0)
                     continue
@@ -146,6 +162,8 @@ class _Reactor:
                 await sleep(PARK_S)
         finally:
             self.task = None
+            while self.deferred:  # never strand a waiter
+                self._wake_some()
 
 
 _reactors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Reactor] = (
@@ -164,25 +182,38 @@ def reactor_for(loop: asyncio.AbstractEventLoop) -> _Reactor:
     return r
 
 
-def await_polled(stream: _PolledStream, ev: DeviceEvent, loop: asyncio.AbstractEventLoop) -> Any:
-    """The asyncio await path of a polled stream (a generator for ``yield from``)."""
-    reactor = reactor_for(loop)
-    if not reactor.pending:
-        # A lone awaiter: poll inline for a moment. A bare ``yield`` hands the
-        # loop one iteration, exactly like ``asyncio.sleep(0)``.
+def polled_future(
+    stream: _PolledStream, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
+) -> asyncio.Future[Any] | None:
+    """The asyncio await of a polled stream: a future the reactor completes, or
+    None when the event finished during a brief inline spin.
+
+    The inline spin happens only for a lone awaiter (the reactor has nothing else
+    pending) while the loop has no other callback ready to run, so it delays no
+    runnable task; it lasts at most ``INLINE_SPIN_S``, about the time a short
+    kernel takes to come back.
+    """
+    global _last
+    last = _last
+    if last[0] is loop:
+        reactor = last[1]
+    else:
+        reactor = reactor_for(loop)
+        _last = (loop, reactor)
+    if not reactor.pending and not getattr(loop, "_ready", True):
         counter = stream._counter
         seq = ev._seq
-        t0 = _monotonic()
-        while True:
-            if counter.value >= seq:
-                stream._retire()
-                return
-            if _monotonic() - t0 > INLINE_SPIN_S:
+        deadline = _monotonic() + INLINE_SPIN_S
+        while counter.value < seq:
+            if _monotonic() > deadline:
                 break
-            yield
-    fut = reactor.add(stream, ev)
-    if fut is not None:
-        yield from fut
+        else:
+            stream._retire()
+            return None
+    return reactor.add(stream, ev)
+
+
+_last: tuple[Any, Any] = (None, None)
 
 
 # -- the watcher thread -------------------------------------------------------------
@@ -282,6 +313,9 @@ class _Watcher:
                 checked = now
                 for stream, _ in items:
                     stream._check_fault()
+                    if stream._fault is not None:
+                        with self._cond:
+                            self._pending.pop(stream, None)
             if now - last < SPIN_S and items:
                 time.sleep(0)
             else:

@@ -23,6 +23,7 @@ waiter goes away, and a later await of the same event still works.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -72,7 +73,7 @@ class DeviceEvent:
         self._lock: threading.Lock | None = None
         self._node: Any = None
         self._handle: Any = None  # backend object of a user event (a CUevent on CUDA)
-        self._timing = False
+        self._timing: Any = False  # user events: timing on, and the host stamp
 
     # -- completion (called by the stream that owns the event) ---------------------
 
@@ -97,8 +98,14 @@ class DeviceEvent:
                 self._keep = None
             waiters, self._waiters = self._waiters, None
         if waiters:
+            # Awaiting tasks first, then callbacks (which may start the stream's next
+            # operation), so tasks wake in completion order.
             for w in waiters:
-                _wake(w, self)
+                if type(w) is _LoopWaiter:
+                    _wake(w, self)
+            for w in waiters:
+                if type(w) is not _LoopWaiter:
+                    w(self)
 
     def _add_waiter(self, waiter: Any) -> bool:
         """Register a waiter; False if the event is already done (caller resolves)."""
@@ -147,20 +154,24 @@ class DeviceEvent:
             stream._watch(self)
 
     def __await__(self) -> Generator[Any, None, Any]:
-        if not (self._done or self.query()):
+        if not self._done:
             yield from self._wait_async()
         return self._outcome()
 
     def _wait_async(self) -> Generator[Any, None, None]:
-        """Wait for completion without returning the outcome."""
-        if self._done or self.query():
+        """Wait for completion without returning the outcome (the await hot path)."""
+        if self._done:
             return
         stream = self._stream
         if stream is None:
             raise AsyncGPUError("this event was never recorded on a stream")
+        if stream._poll(self):
+            return
         loop = _get_running_loop()
         if loop is not None:
-            yield from stream._await_asyncio(self, loop)
+            fut = stream._future(self, loop)
+            if fut is not None:
+                yield from fut
         else:
             yield from _await_other(self).__await__()
 
@@ -204,14 +215,16 @@ def _new_lock(ev: DeviceEvent) -> threading.Lock:
 
 
 class _LoopWaiter:
-    """An asyncio future plus the thread that runs its loop."""
+    """An asyncio future, the thread that runs its loop, and (for polled streams)
+    the loop's reactor, which paces the wake-ups it causes."""
 
-    __slots__ = ("fut", "loop", "thread")
+    __slots__ = ("fut", "loop", "reactor", "thread")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, reactor: Any = None) -> None:
         self.loop = loop
         self.fut = loop.create_future()
         self.thread = _get_ident()
+        self.reactor = reactor
 
 
 def _set_future(fut: asyncio.Future[Any]) -> None:
@@ -222,9 +235,13 @@ def _set_future(fut: asyncio.Future[Any]) -> None:
 def _wake(waiter: Any, ev: DeviceEvent) -> None:
     if type(waiter) is _LoopWaiter:
         if waiter.thread == _get_ident():
-            _set_future(waiter.fut)
+            reactor = waiter.reactor
+            if reactor is None:
+                _set_future(waiter.fut)
+            else:
+                reactor.deferred.append(waiter.fut)
         else:
-            try:
+            try:  # noqa: SIM105 (cheaper than contextlib.suppress on this path)
                 waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
             except RuntimeError:
                 pass  # the loop is closed: nobody is left to wake
@@ -253,10 +270,8 @@ async def _await_other(ev: DeviceEvent) -> None:
     done = trio.Event()
 
     def wake(_: DeviceEvent) -> None:
-        try:
+        with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
-            pass
 
     ev.add_done_callback(wake)
     await done.wait()

@@ -109,7 +109,7 @@ class ThreadBlock:
 
     @staticmethod
     def thread_indices(block: Dim) -> Idx3:
-        n = np.arange(block.count(), dtype=np.int64)
+        n = np.arange(block.size(), dtype=np.int64)
         return Idx3(n % block.x, (n // block.x) % block.y, n // (block.x * block.y))
 
 

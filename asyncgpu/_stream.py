@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from ._context import DeviceContext, _ContextState
     from ._function import DeviceFunction
-    from ._types import ConstantMemoryMapping, Dim, LaunchAttribute
+    from ._types import ConstantMemoryMapping
 
 __all__ = ["DeviceStream"]
 
@@ -62,13 +62,10 @@ class _StreamImpl:
         self,
         fn: DeviceFunction,
         args: tuple[Any, ...],
-        grid: Dim,
-        block: Dim,
-        shmem: int,
-        cluster: Dim | None,
-        attributes: Sequence[LaunchAttribute],
+        cfg: Any,
         constant_memory: Sequence[ConstantMemoryMapping],
     ) -> DeviceEvent:
+        """Launch ``fn`` with the backend's ``cfg`` (from ``make_launch_config``)."""
         raise NotImplementedError
 
     def cpu_call(
@@ -117,12 +114,12 @@ class _StreamImpl:
     def _watch(self, ev: DeviceEvent) -> None:
         pass
 
-    def _await_asyncio(
+    def _future(
         self, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
-    ) -> Generator[Any, None, None]:
+    ) -> asyncio.Future[Any] | None:
+        """A future of ``loop`` that completes with ``ev`` (None: ``ev`` is done)."""
         w = _loop_waiter(ev, loop)
-        if w is not None:
-            yield from w.fut
+        return w.fut if w is not None else None
 
     def _elapsed_ms(self, start: DeviceEvent, end: DeviceEvent) -> float:
         t0 = start._timing
@@ -187,12 +184,12 @@ class _PolledStream(_StreamImpl):
 
         watcher.watch(self, ev._seq)
 
-    def _await_asyncio(
+    def _future(
         self, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
-    ) -> Generator[Any, None, None]:
-        from ._engine import await_polled
+    ) -> asyncio.Future[Any] | None:
+        from ._engine import polled_future
 
-        yield from await_polled(self, ev, loop)
+        return polled_future(self, ev, loop)
 
     def _block(self, ev: DeviceEvent) -> None:
         counter = self._counter

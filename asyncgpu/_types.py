@@ -40,6 +40,8 @@ class Dim(NamedTuple):
             dim = Dim(value)
         elif isinstance(value, tuple) and 1 <= len(value) <= 3:
             dim = Dim(*value)
+        elif hasattr(value, "__index__") and not isinstance(value, bool):
+            dim = Dim(value.__index__())  # a NumPy integer
         else:
             raise TypeError(f"{what} must be an int, a tuple of 1-3 ints or a Dim, not {value!r}")
         for c in dim:
@@ -52,12 +54,12 @@ class Dim(NamedTuple):
                 raise ValueError(f"{what} components must be positive, got {tuple(dim)}")
         return Dim(int(dim.x), int(dim.y), int(dim.z))
 
-    def count(self) -> int:
+    def size(self) -> int:
         """Number of elements: ``x * y * z``."""
         return self.x * self.y * self.z
 
 
-DimLike = Union[int, tuple[int, ...], Dim]
+DimLike = Union[int, tuple[int, ...], Dim]  # noqa: UP007 (a runtime alias)
 
 
 class StreamPriorityRange(NamedTuple):

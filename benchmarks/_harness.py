@@ -73,7 +73,7 @@ _IMPORT_NAMES: dict[str, str] = {
 # --------------------------------------------------------------------------- errors
 
 
-class Unavailable(Exception):  # noqa: N818 - a status, not a failure
+class Unavailable(Exception):
     """Raised by a benchmark case when a library or the GPU it needs is missing."""
 
 
@@ -249,8 +249,9 @@ class CaseResult:
         return out
 
 
-def run_case(name: str, group: str, fn: Callable[..., Mapping[str, Any]], *args: Any,
-             **kwargs: Any) -> CaseResult:
+def run_case(
+    name: str, group: str, fn: Callable[..., Mapping[str, Any]], *args: Any, **kwargs: Any
+) -> CaseResult:
     """Run one case; never raises (except KeyboardInterrupt / SystemExit)."""
     t0 = time.perf_counter()
     try:
@@ -259,29 +260,33 @@ def run_case(name: str, group: str, fn: Callable[..., Mapping[str, Any]], *args:
         reason = str(exc) or "unavailable"
         if not reason.startswith("unavailable"):
             reason = f"unavailable: {reason}"
-        return CaseResult(name, group, "unavailable", reason=reason,
-                          seconds=time.perf_counter() - t0)
+        return CaseResult(
+            name, group, "unavailable", reason=reason, seconds=time.perf_counter() - t0
+        )
     except Exception as exc:
         tb = traceback.format_exc(limit=8).strip().splitlines()
-        return CaseResult(name, group, "error", reason=f"error: {describe_exception(exc)}",
-                          seconds=time.perf_counter() - t0, detail="\n".join(tb[-12:]))
+        return CaseResult(
+            name,
+            group,
+            "error",
+            reason=f"error: {describe_exception(exc)}",
+            seconds=time.perf_counter() - t0,
+            detail="\n".join(tb[-12:]),
+        )
     clean = {str(k): _clean_number(v) for k, v in dict(metrics).items()}
     return CaseResult(name, group, "ok", metrics=clean, seconds=time.perf_counter() - t0)
 
 
 def _clean_number(v: Any) -> Any:
-    """Plain Python numbers for JSON (NumPy scalars, bools, ints, floats)."""
-    if isinstance(v, bool):
+    """Plain Python numbers for JSON (NumPy scalars become int/float/bool)."""
+    if v is None or type(v) in (bool, int, float, str):
         return v
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float):
-        return v
-    item = getattr(v, "item", None)  # NumPy scalar
+    item = getattr(v, "item", None)  # NumPy scalar (np.float64 subclasses float)
     if callable(item):
         return _clean_number(item())
-    if isinstance(v, str) or v is None:
-        return v
+    for base in (bool, int, float, str):  # subclasses such as IntEnum
+        if isinstance(v, base):
+            return base(v)
     return float(v)
 
 
@@ -318,13 +323,17 @@ def _sanitize(obj: Any) -> Any:
         return {str(k): _sanitize(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_sanitize(v) for v in obj]
-    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+    if obj is None or type(obj) in (bool, int, str):
         return obj
-    if isinstance(obj, float):
+    if type(obj) is float:
         return obj if math.isfinite(obj) else None
-    item = getattr(obj, "item", None)
+    item = getattr(obj, "item", None)  # NumPy scalars and 0-d arrays
     if callable(item):
         return _sanitize(item())
+    if isinstance(obj, (bool, int, str)):
+        return obj
+    if isinstance(obj, float):
+        return float(obj) if math.isfinite(obj) else None
     if isinstance(obj, bytes):
         return obj.decode("utf-8", "replace")
     return str(obj)
@@ -344,6 +353,9 @@ def write_json(path: str | os.PathLike[str], record: Mapping[str, Any]) -> str:
     return path
 
 
+_SECONDARY = ("p50_", "p90_", "mean_", "min_", "max_")
+
+
 def format_table(
     results: Sequence[CaseResult],
     references: Mapping[str, tuple[str, float]] | None = None,
@@ -355,7 +367,8 @@ def format_table(
     rows = [("case", "status", "result", "reference")]
     for r in results:
         if r.status == "ok":
-            shown = list(r.metrics.items())[:max_metrics]
+            keys = [k for k in r.metrics if not k.startswith(_SECONDARY)] or list(r.metrics)
+            shown = [(k, r.metrics[k]) for k in keys[:max_metrics]]
             text = "  ".join(f"{k}={_fmt(v)}" for k, v in shown)
         else:
             text = (r.reason or "")[:100]
@@ -365,9 +378,8 @@ def format_table(
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     lines = []
     for i, row in enumerate(rows):
-        lines.append(
-            f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}".rstrip()
-        )
+        cells = [f"{row[j]:<{widths[j]}}" for j in range(3)]
+        lines.append("  ".join([*cells, row[3]]).rstrip())
         if i == 0:
             lines.append("-" * (sum(widths) + 4 + max(len(r[3]) for r in rows) + 2))
     return "\n".join(lines)
@@ -426,7 +438,7 @@ def library_versions(import_check: bool = False) -> dict[str, str]:
                 continue
             except Exception:  # broken metadata
                 continue
-            if dist != label and label not in ("numba-cuda", "nvidia-ml-py"):
+            if dist != label:
                 version = f"{version} ({dist})"
             break
         mod_name = _IMPORT_NAMES.get(label)
@@ -434,7 +446,7 @@ def library_versions(import_check: bool = False) -> dict[str, str]:
         if mod is None and import_check and mod_name and version is not None:
             try:
                 mod = importlib.import_module(mod_name)
-            except BaseException as exc:  # noqa: BLE001 - record whatever import raises
+            except BaseException as exc:  # record whatever the import raises
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 version = f"{version} (unavailable: {describe_exception(exc)})"
@@ -443,6 +455,22 @@ def library_versions(import_check: bool = False) -> dict[str, str]:
             if isinstance(mv, str) and (version is None or mv not in version):
                 version = mv if version is None else f"{version}; __version__={mv}"
         out[label] = version if version is not None else "unavailable: not installed"
+    out.update(_loaded_runtime_versions())
+    return out
+
+
+def _loaded_runtime_versions() -> dict[str, str]:
+    """CUDA versions that libraries already imported by this process were built for."""
+    out: dict[str, str] = {}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        with contextlib.suppress(Exception):
+            out["torch.version.cuda"] = str(torch.version.cuda)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        with contextlib.suppress(Exception):
+            v = int(cupy.cuda.runtime.runtimeGetVersion())
+            out["cupy.cuda.runtime"] = f"{v // 1000}.{(v % 1000) // 10}"
     return out
 
 
@@ -489,8 +517,10 @@ def _cuda_driver_info(ordinal: int) -> dict[str, Any]:
             ("cc_minor", attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
             ("sm_count", attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
             ("async_engine_count", attr.CU_DEVICE_ATTRIBUTE_ASYNC_ENGINE_COUNT),
-            ("can_use_64bit_stream_mem_ops",
-             attr.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS),
+            (
+                "can_use_64bit_stream_mem_ops",
+                attr.CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+            ),
         ):
             err, val = drv.cuDeviceGetAttribute(a, dev)
             d[key] = int(val) if not err else f"unavailable: {err!r}"
@@ -508,11 +538,30 @@ def _cuda_driver_info(ordinal: int) -> dict[str, Any]:
     return info
 
 
+def _kmd_version_via_cuda_core() -> str:
+    """The kernel-mode driver version ("580.65.06") through cuda.core.system (NVML)."""
+    try:
+        from cuda.core import system
+
+        return ".".join(
+            f"{v:02d}" if i else str(v)
+            for i, v in enumerate(system.get_kernel_mode_driver_version())
+        )
+    except Exception as exc:
+        return f"unavailable: {describe_exception(exc)}"
+
+
 def _nvml_info(ordinal: int) -> dict[str, Any]:
     try:
         import pynvml
     except Exception as exc:
-        return {"nvml_driver_version": f"unavailable: {describe_exception(exc)}"}
+        fallback = _kmd_version_via_cuda_core()
+        if not fallback.startswith("unavailable"):
+            return {"nvml_driver_version": fallback, "nvml_source": "cuda.core.system"}
+        return {
+            "nvml_driver_version": f"unavailable: pynvml: {describe_exception(exc)}; "
+            f"cuda.core.system: {fallback[len('unavailable: ') :]}"
+        }
     out: dict[str, Any] = {}
     try:
         pynvml.nvmlInit()
@@ -521,6 +570,7 @@ def _nvml_info(ordinal: int) -> dict[str, Any]:
     try:
         v = pynvml.nvmlSystemGetDriverVersion()
         out["nvml_driver_version"] = v.decode() if isinstance(v, bytes) else str(v)
+        out["nvml_source"] = "pynvml"
         try:
             h = pynvml.nvmlDeviceGetHandleByIndex(ordinal)
             n = pynvml.nvmlDeviceGetName(h)
@@ -547,8 +597,9 @@ def _nvrtc_version() -> str:
         return f"unavailable: {describe_exception(exc)}"
 
 
-def environment_info(device_ordinal: int = 0, *, probe_gpu: bool = True,
-                     import_check: bool = False) -> dict[str, Any]:
+def environment_info(
+    device_ordinal: int = 0, *, probe_gpu: bool = True, import_check: bool = False
+) -> dict[str, Any]:
     """Where and when a run happened: host, Python, device, driver, library versions.
 
     Never raises; every probe that cannot run records ``"unavailable: <reason>"``.
@@ -564,8 +615,12 @@ def environment_info(device_ordinal: int = 0, *, probe_gpu: bool = True,
         "cpu_count": os.cpu_count(),
         "env_vars": {
             k: os.environ[k]
-            for k in ("CUDA_VISIBLE_DEVICES", "CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS",
-                      "ASYNCGPU_API")
+            for k in (
+                "CUDA_VISIBLE_DEVICES",
+                "CUDA_MODULE_LOADING",
+                "CUDA_DEVICE_MAX_CONNECTIONS",
+                "ASYNCGPU_API",
+            )
             if k in os.environ
         },
     }

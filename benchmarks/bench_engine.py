@@ -1,0 +1,231 @@
+"""The completion engine on the GPU: asyncgpu's awaits against blocking sync and
+the naive strategies, measured in the same process (issue 4's goals).
+
+    python benchmarks/bench_engine.py [--quick] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import asyncgpu as ag
+
+SRC = r"""
+extern "C" __global__ void empty() {}
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+"""
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _summ(ns: list[int]) -> dict[str, float]:
+    us = [x / 1e3 for x in ns]
+    return {
+        "median_us": statistics.median(us),
+        "p10_us": _pct(us, 0.10),
+        "p90_us": _pct(us, 0.90),
+        "p99_us": _pct(us, 0.99),
+        "n": len(us),
+    }
+
+
+def latency(ctx: ag.DeviceContext, empty: ag.DeviceFunction, n: int) -> dict[str, Any]:
+    """Enqueue an empty kernel and learn it finished: asyncgpu await vs the same
+    launch through cuda.core followed by a blocking cuStreamSynchronize."""
+    from cuda.bindings import driver as cu
+    from cuda.core import LaunchConfig, launch
+
+    stream = ctx.stream()
+    raw = cu.CUstream(stream.handle)
+    cs = stream._impl.cs  # type: ignore[attr-defined]
+    kernel = empty._impl.kernel
+    cfg = LaunchConfig(grid=1, block=1)
+
+    def blocking_once() -> int:
+        t0 = time.perf_counter_ns()
+        launch(cs, cfg, kernel)
+        cu.cuStreamSynchronize(raw)
+        return time.perf_counter_ns() - t0
+
+    async def await_once() -> int:
+        t0 = time.perf_counter_ns()
+        await ctx.enqueue_function(empty, grid_dim=1, block_dim=1)
+        return time.perf_counter_ns() - t0
+
+    def blocking_event_sync_once() -> int:
+        t0 = time.perf_counter_ns()
+        ctx.enqueue_function(empty, grid_dim=1, block_dim=1).synchronize()
+        return time.perf_counter_ns() - t0
+
+    async def run() -> dict[str, Any]:
+        for _ in range(200):
+            blocking_once()
+            await await_once()
+        # Interleave the strategies so drift (clocks, other load) hits both alike.
+        b: list[int] = []
+        a: list[int] = []
+        s: list[int] = []
+        for _ in range(n):
+            b.append(blocking_once())
+            a.append(await await_once())
+            s.append(blocking_event_sync_once())
+        return {
+            "blocking_stream_sync": _summ(b),
+            "asyncgpu_await": _summ(a),
+            "asyncgpu_event_synchronize": _summ(s),
+        }
+
+    out = asyncio.run(run())
+    out["ratio_await_over_blocking"] = (
+        out["asyncgpu_await"]["median_us"] / out["blocking_stream_sync"]["median_us"]
+    )
+    return out
+
+
+def throughput(
+    ctx: ag.DeviceContext, empty: ag.DeviceFunction, tasks: int, per_task: int, streams: int
+) -> dict[str, Any]:
+    """``tasks`` concurrent tasks each awaiting ``per_task`` empty launches, spread
+    over ``streams`` streams, with a ticker measuring loop lag."""
+    views = [ctx.select_stream(i % ctx.num_streams()) for i in range(streams)]
+
+    async def worker(k: int) -> None:
+        v = views[k % streams]
+        for _ in range(per_task):
+            await v.enqueue_function(empty, grid_dim=1, block_dim=1)
+
+    async def run() -> dict[str, Any]:
+        stop = False
+        lags: list[float] = []
+
+        async def ticker() -> None:
+            period = 0.001
+            while not stop:
+                t0 = time.perf_counter()
+                await asyncio.sleep(period)
+                lags.append(time.perf_counter() - t0 - period)
+
+        await asyncio.gather(*(worker(k) for k in range(64)))  # warm up
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        lags.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(k) for k in range(tasks)))
+        dt = time.perf_counter() - t0
+        stop = True
+        await tick
+        return {
+            "ops": tasks * per_task,
+            "seconds": dt,
+            "ops_per_s": tasks * per_task / dt,
+            "ticker_lag_p50_ms": _pct(lags, 0.5) * 1e3 if lags else None,
+            "ticker_lag_p99_ms": _pct(lags, 0.99) * 1e3 if lags else None,
+            "ticker_samples": len(lags),
+        }
+
+    return asyncio.run(run())
+
+
+def idle(ctx: ag.DeviceContext, spin: ag.DeviceFunction, ms: float) -> dict[str, Any]:
+    """CPU use of the process while one task awaits a kernel that runs ``ms``."""
+    cycles = np.int64(ctx.default_device_info.clock_rate_khz * ms)
+
+    async def run() -> dict[str, Any]:
+        await ctx.enqueue_function(spin, np.int64(1000), grid_dim=1, block_dim=1)
+        ev = ctx.enqueue_function(spin, cycles, grid_dim=1, block_dim=1)
+        c0, t0 = time.process_time(), time.perf_counter()
+        await ev
+        c1, t1 = time.process_time(), time.perf_counter()
+        return {
+            "kernel_ms_requested": ms,
+            "wall_ms": (t1 - t0) * 1e3,
+            "cpu_ms": (c1 - c0) * 1e3,
+            "cpu_fraction_of_one_core": (c1 - c0) / (t1 - t0),
+        }
+
+    return asyncio.run(run())
+
+
+def loops(ctx: ag.DeviceContext, empty: ag.DeviceFunction) -> dict[str, Any]:
+    """The same awaits under trio and from several threads with their own loops."""
+    out: dict[str, Any] = {}
+    try:
+        import trio
+
+        async def trio_main() -> int:
+            n = 0
+            for _ in range(200):
+                await ctx.enqueue_function(empty, grid_dim=1, block_dim=1)
+                n += 1
+            return n
+
+        t0 = time.perf_counter()
+        out["trio_awaits"] = trio.run(trio_main)
+        out["trio_us_per_await"] = (time.perf_counter() - t0) / 200 * 1e6
+    except ImportError as e:
+        out["trio"] = f"unavailable: {e}"
+    counts: list[int] = []
+
+    def thread_main(k: int) -> None:
+        async def main() -> None:
+            v = ctx.select_stream(k)
+            for _ in range(500):
+                await v.enqueue_function(empty, grid_dim=1, block_dim=1)
+            counts.append(500)
+
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=thread_main, args=(k,)) for k in range(4)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["threads"] = len(threads)
+    out["thread_awaits"] = sum(counts)
+    out["thread_ops_per_s"] = sum(counts) / (time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    n = 300 if a.quick else 2000
+    with ag.DeviceContext(api="cuda") as ctx:
+        empty = ctx.compile_function(SRC, "empty")
+        spin = ctx.compile_function(SRC, "spin")
+        res = {
+            "device": ctx.name(),
+            "latency": latency(ctx, empty, n),
+            "throughput": throughput(ctx, empty, 1000 if not a.quick else 200, 10, 8),
+            "idle": idle(ctx, spin, 200.0),
+            "loops": loops(ctx, empty),
+        }
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()

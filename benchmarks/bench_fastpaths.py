@@ -1,0 +1,283 @@
+"""asyncgpu's launch, copy, allocation, compile and overlap paths on the GPU
+(issue 5). Each function returns a flat dict; ``run.py`` sets them against the
+peers measured in the same run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import asyncgpu as ag
+
+SRC = r"""
+extern "C" __global__ void empty() {}
+extern "C" __global__ void axpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+extern "C" __global__ void scale(float* x, float a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i < n; i += gridDim.x * blockDim.x) x[i] = a * x[i];
+}
+extern "C" __global__ void spin_ns(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+rng = np.random.default_rng()
+
+
+def _median_per_call_us(fn: Any, calls: int, rounds: int, sync: Any) -> dict[str, float]:
+    per: list[float] = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter_ns()
+        sync()
+        per.append((t1 - t0) / calls / 1e3)
+    return {"median_us": statistics.median(per), "min_us": min(per)}
+
+
+def launch(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
+    """Host cost of ``enqueue_function`` (with the DeviceEvent it returns)."""
+    empty = ctx.compile_function(SRC, "empty")
+    axpy = ctx.compile_function(SRC, "axpy")
+    n = 1 << 10
+    x = ctx.enqueue_create_buffer(np.float32, n)
+    y = ctx.enqueue_create_buffer(np.float32, n)
+    ctx.enqueue_copy(x, rng.standard_normal(n).astype(np.float32))
+    ctx.enqueue_copy(y, rng.standard_normal(n).astype(np.float32))
+    a, nn = np.float32(1.0001), np.int32(n)
+    calls, rounds = (2000, 5) if quick else (10000, 15)
+    for _ in range(2000):
+        ctx.enqueue_function(axpy, a, x, y, nn, grid_dim=4, block_dim=256)
+        ctx.enqueue_function(empty, grid_dim=1, block_dim=1)
+    e = _median_per_call_us(
+        lambda: ctx.enqueue_function(empty, grid_dim=1, block_dim=1), calls, rounds, ctx.synchronize
+    )
+    f = _median_per_call_us(
+        lambda: ctx.enqueue_function(axpy, a, x, y, nn, grid_dim=4, block_dim=256),
+        calls,
+        rounds,
+        ctx.synchronize,
+    )
+    with ctx.trace():
+        t = _median_per_call_us(
+            lambda: ctx.enqueue_function(empty, grid_dim=1, block_dim=1),
+            calls // 4,
+            3,
+            ctx.synchronize,
+        )
+    return {
+        "empty_median_us": e["median_us"],
+        "empty_min_us": e["min_us"],
+        "axpy4_median_us": f["median_us"],
+        "axpy4_min_us": f["min_us"],
+        "empty_traced_median_us": t["median_us"],
+    }
+
+
+def _event_time_gbps(ctx: ag.DeviceContext, op: Any, nbytes: int, reps: int) -> float:
+    start = ctx.create_event(disable_timing=False)
+    end = ctx.create_event(disable_timing=False)
+    s = ctx.stream()
+    gbps = []
+    for _ in range(reps):
+        s.record_event(start)
+        op()
+        s.record_event(end)
+        end.synchronize()
+        gbps.append(nbytes / (start.elapsed_time(end) * 1e-3) / 1e9)
+    return statistics.median(gbps)
+
+
+def copies(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
+    """Bandwidth of ``enqueue_copy`` for 512 MiB (pinned both ways, D2D, pageable)."""
+    nbytes = (64 if quick else 512) << 20
+    n = nbytes // 4
+    reps = 3 if quick else 10
+    host = ctx.enqueue_create_host_buffer(np.float32, n)
+    d1 = ctx.enqueue_create_buffer(np.float32, n)
+    d2 = ctx.enqueue_create_buffer(np.float32, n)
+    ctx.synchronize()
+    src = rng.standard_normal(n).astype(np.float32)
+    host.as_numpy()[:] = src
+    h2d = _event_time_gbps(ctx, lambda: ctx.enqueue_copy(d1, host), nbytes, reps)
+    d2h = _event_time_gbps(ctx, lambda: ctx.enqueue_copy(host, d1), nbytes, reps)
+    d2d = _event_time_gbps(ctx, lambda: ctx.enqueue_copy(d2, d1), 2 * nbytes, reps)
+    check = np.empty(n, np.float32)
+    ctx.enqueue_copy(check, d2).synchronize()
+    if not np.array_equal(check, src):
+        raise AssertionError("copied data differs from the source")
+    pageable = []
+    for _ in range(max(2, reps // 2)):
+        t0 = time.perf_counter()
+        ctx.enqueue_copy(d1, src).synchronize()
+        pageable.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    pageable_d2h = []
+    for _ in range(max(2, reps // 2)):
+        t0 = time.perf_counter()
+        ctx.enqueue_copy(check, d1).synchronize()
+        pageable_d2h.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    if not np.array_equal(check, src):
+        raise AssertionError("pageable round trip differs from the source")
+    return {
+        "h2d_pinned_gbps": h2d,
+        "d2h_pinned_gbps": d2h,
+        "d2d_gbps": d2d,
+        "h2d_pageable_gbps": statistics.median(pageable),
+        "d2h_pageable_gbps": statistics.median(pageable_d2h),
+        "bytes": nbytes,
+    }
+
+
+def alloc(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
+    """1 MiB device and pinned host buffers from the pools, created and dropped."""
+    reps = 2000 if quick else 10000
+
+    def dev() -> None:
+        b = ctx.enqueue_create_buffer(np.uint8, 1 << 20)
+        del b
+
+    def host() -> None:
+        b = ctx.enqueue_create_host_buffer(np.uint8, 1 << 20)
+        del b
+
+    for _ in range(200):
+        dev()
+        host()
+    d = _median_per_call_us(dev, reps // 5, 5, ctx.synchronize)
+    h = _median_per_call_us(host, reps // 5, 5, ctx.synchronize)
+    return {"device_1mib_us": d["median_us"], "host_1mib_us": h["median_us"]}
+
+
+def compile_cache(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
+    """A fresh process hitting the on-disk cache, and an in-process repeat."""
+    src = SRC + f"\n// {time.time_ns()}\n"
+    t0 = time.perf_counter()
+    ctx.compile_function(src, "axpy")
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(100):
+        ctx.compile_function(src, "axpy")
+    warm = (time.perf_counter() - t0) / 100
+    child = textwrap.dedent(
+        """
+        import sys, time
+        from asyncgpu._compiler import compile_cuda
+        src = sys.stdin.read()
+        t0 = time.perf_counter()
+        m = compile_cuda(src, "axpy", arch=sys.argv[1])
+        print(time.perf_counter() - t0, m.cache_hit)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child, ctx.default_device_info.arch],
+        input=src,
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ),
+    ).stdout.split()
+    disk = float(out[0])
+    if out[1] != "True":
+        raise AssertionError("the fresh process did not hit the disk cache")
+    from asyncgpu import _compiler
+
+    t0 = time.perf_counter()
+    _compiler.compile_cuda(src + "//x", "axpy", arch=ctx.default_device_info.arch, use_cache=False)
+    cold_compile_only = time.perf_counter() - t0
+    return {
+        "cold_compile_function_ms": cold * 1e3,
+        "cold_nvrtc_ms": cold_compile_only * 1e3,
+        "in_process_repeat_us": warm * 1e6,
+        "fresh_process_disk_hit_ms": disk * 1e3,
+    }
+
+
+def overlap(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
+    """16 streams each running a 2 ms one-block kernel, against one; and a 4-stream
+    H2D + kernel + D2H pipeline against the same work on one stream."""
+    spin = ctx.compile_function(SRC, "spin_ns")
+    scale = ctx.compile_function(SRC, "scale")
+    ns = np.uint64(2_000_000)
+    views = [ctx.select_stream(i % ctx.num_streams()) for i in range(16)]
+    extra = [ctx.create_stream() for _ in range(16 - ctx.num_streams())]
+    streams = views[: ctx.num_streams()] + [s.context() for s in extra]
+    for v in streams:
+        v.enqueue_function(spin, np.uint64(1000), grid_dim=1, block_dim=1)
+    for v in streams:
+        v.synchronize()
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        ctx.enqueue_function(spin, ns, grid_dim=1, block_dim=1).synchronize()
+        return time.perf_counter() - t0
+
+    def many() -> float:
+        t0 = time.perf_counter()
+        evs = [v.enqueue_function(spin, ns, grid_dim=1, block_dim=1) for v in streams]
+        for e in evs:
+            e.synchronize()
+        return time.perf_counter() - t0
+
+    reps = 3 if quick else 10
+    t1 = statistics.median(one() for _ in range(reps))
+    t16 = statistics.median(many() for _ in range(reps))
+
+    chunks, chunk_n = (8, 1 << 20) if quick else (32, 4 << 20)
+    data = rng.standard_normal(chunks * chunk_n).astype(np.float32)
+    hin = ctx.enqueue_create_host_buffer(np.float32, chunks * chunk_n)
+    hout = ctx.enqueue_create_host_buffer(np.float32, chunks * chunk_n)
+    ctx.synchronize()
+    hin.as_numpy()[:] = data
+    ins = [hin.create_sub_buffer(np.float32, i * chunk_n, chunk_n) for i in range(chunks)]
+    outs = [hout.create_sub_buffer(np.float32, i * chunk_n, chunk_n) for i in range(chunks)]
+
+    def pipeline(nstreams: int) -> float:
+        vs = [ctx.select_stream(i) for i in range(nstreams)]
+        devs = [v.enqueue_create_buffer(np.float32, chunk_n) for v in vs]
+        for v in vs:
+            v.synchronize()
+        t0 = time.perf_counter()
+        evs = []
+        for i in range(chunks):
+            v = vs[i % nstreams]
+            d = devs[i % nstreams]
+            v.enqueue_copy(d, ins[i])
+            v.enqueue_function(
+                scale, d, np.float32(2), np.int32(chunk_n), grid_dim=264, block_dim=256
+            )
+            evs.append(v.enqueue_copy(outs[i], d))
+        for e in evs:
+            e.synchronize()
+        return time.perf_counter() - t0
+
+    pipeline(1)
+    p1 = statistics.median(pipeline(1) for _ in range(reps))
+    p4 = statistics.median(pipeline(4) for _ in range(reps))
+    if not np.allclose(hout.as_numpy(), 2 * data):
+        raise AssertionError("pipeline output is wrong")
+    return {
+        "one_stream_ms": t1 * 1e3,
+        "sixteen_streams_ms": t16 * 1e3,
+        "sixteen_over_one": t16 / t1,
+        "pipeline_1_stream_ms": p1 * 1e3,
+        "pipeline_4_streams_ms": p4 * 1e3,
+        "pipeline_speedup": p1 / p4,
+    }

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The one device call: GPU test cases and the benchmarks, on the lent H200.
+#   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only]
+# Writes under $OUT (at most 8 files): env.txt, tests.log, tests.json, bench.json, bench.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/asyncgpu-device-out}
+mkdir -p "$OUT"
+MODE=all QUICK=
+for a in "$@"; do
+  case "$a" in
+    --quick) QUICK=--quick ;;
+    --tests-only) MODE=tests ;;
+    --bench-only) MODE=bench ;;
+  esac
+done
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 ASYNCGPU_CACHE_DIR=/tmp/asyncgpu-kernels
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | wc -l) uncommitted"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  python3 -c 'import sys, numpy, cuda.bindings, cuda.core; print(sys.version); print("numpy", numpy.__version__, "cuda-bindings", cuda.bindings.__version__, "cuda-core", cuda.core.__version__)'
+  python3 -m pytest --version
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+rc=0
+if [ "$MODE" != bench ]; then
+  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests \
+    --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
+  rc=${PIPESTATUS[0]}
+  python3 - "$OUT/tests.xml" "$OUT/tests.json" <<'PY'
+import json, sys, xml.etree.ElementTree as ET, datetime, subprocess
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception as e:
+    print("no junit xml:", e); sys.exit(0)
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+cases = []
+for tc in suite.iter("testcase"):
+    status = "passed"
+    for tag in ("failure", "error", "skipped"):
+        el = tc.find(tag)
+        if el is not None:
+            status = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+            msg = (el.get("message") or "")[:300]
+            break
+    else:
+        msg = ""
+    cases.append({"test": f"{tc.get('classname')}::{tc.get('name')}", "status": status,
+                  "time_s": float(tc.get("time") or 0), "message": msg})
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip()
+summary = {s: sum(c["status"] == s for c in cases) for s in ("passed", "failed", "error", "skipped")}
+json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": smi,
+           "summary": summary, "cases": cases}, open(sys.argv[2], "w"), indent=1)
+print("summary:", summary)
+PY
+  rm -f "$OUT/tests.xml"
+fi
+if [ "$MODE" != tests ]; then
+  if [ -f benchmarks/run.py ]; then
+    timeout 420 python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  else
+    timeout 300 python3 benchmarks/bench_engine.py $QUICK --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    timeout 200 python3 benchmarks/peers_gpu.py --quick --json "$OUT/peers.json" 2>&1 | tail -60 | tee "$OUT/peers.log"
+  fi
+fi
+exit $rc

@@ -1,0 +1,330 @@
+"""The benchmark suite in one command: asyncgpu against its peers, measured in the
+same run, reported as ratios against the goals of issues 2, 4 and 5.
+
+    python benchmarks/run.py                  # CPU-device section (runs anywhere)
+    python benchmarks/run.py --device         # plus the GPU sections (peers, engine, fast paths)
+    python benchmarks/run.py --device --quick --json OUT.json
+
+The JSON holds the environment (device, driver, library versions, date), every
+raw figure, and the goal table; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import _harness as H  # noqa: E402
+
+
+def _progress(i: int, n: int, name: str) -> None:
+    bar = "#" * int(20 * i / n)
+    print(f"[{bar:<20}] {i}/{n} {name}", file=sys.stderr, flush=True)
+
+
+def _get(res: dict[str, Any], case: str, key: str) -> float | None:
+    r = res.get(case)
+    if not r or r.get("status") != "ok":
+        return None
+    v = r["metrics"].get(key)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def goal_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """(goal, measured ratio, target, met) rows from the raw results."""
+    rows: list[dict[str, Any]] = []
+
+    def row(
+        goal: str, value: float | None, target: float, higher_is_better: bool, detail: str
+    ) -> None:
+        met = None if value is None else (value >= target if higher_is_better else value <= target)
+        rows.append(
+            {
+                "goal": goal,
+                "value": value,
+                "target": target,
+                "better": "higher" if higher_is_better else "lower",
+                "met": met,
+                "detail": detail,
+            }
+        )
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    # Issue 2 (CPU device)
+    row(
+        "I2 awaited CPU fn / run_in_executor",
+        _get(res, "cpu_functions", "ratio"),
+        1.5,
+        False,
+        "us per awaited no-op",
+    )
+    row(
+        "I2 64 MiB host copy / numpy.copyto",
+        _get(res, "host_copies", "fraction_of_copyto"),
+        0.8,
+        True,
+        "bandwidth fraction",
+    )
+    # Issue 4 (completion engine)
+    row(
+        "I4.1 await empty kernel / launch+cuStreamSynchronize",
+        _get(res, "engine_latency", "ratio_await_over_blocking"),
+        1.0,
+        False,
+        "median round trip, same process, interleaved",
+    )
+    row(
+        "I4.1 await / peers rt_stream_sync",
+        ratio(
+            _get(res, "engine_latency", "await_median_us"), _get(res, "rt_stream_sync", "median_us")
+        ),
+        1.0,
+        False,
+        "median round trip",
+    )
+    row(
+        "I4.2 throughput / host-callback strategy",
+        ratio(
+            _get(res, "engine_throughput", "ops_per_s"),
+            _get(res, "tp_hostfunc_asyncio", "median_ops_per_s"),
+        ),
+        4.0,
+        True,
+        "1000 tasks x 10 awaits over 8 streams",
+    )
+    row(
+        "I4.3 CPU while awaiting a 200 ms kernel",
+        _get(res, "engine_idle", "cpu_fraction_of_one_core"),
+        0.05,
+        False,
+        "process CPU time / wall time",
+    )
+    row(
+        "I4.4 ticker p99 lag under load (ms)",
+        _get(res, "engine_throughput", "ticker_lag_p99_ms"),
+        1.0,
+        False,
+        "ms",
+    )
+    # Issue 5 (fast paths)
+    row(
+        "I5.1 launch 4 args / cuda.core launch",
+        ratio(
+            _get(res, "fast_launch", "axpy4_median_us"), _get(res, "launch_core_4args", "median_us")
+        ),
+        1.0,
+        False,
+        "host us per launch",
+    )
+    row(
+        "I5.1 launch empty / cuda.core launch",
+        ratio(
+            _get(res, "fast_launch", "empty_median_us"), _get(res, "launch_core_empty", "median_us")
+        ),
+        1.0,
+        False,
+        "host us per launch",
+    )
+    row(
+        "I5.1 launch 4 args / CuPy RawKernel",
+        ratio(
+            _get(res, "fast_launch", "axpy4_median_us"), _get(res, "launch_cupy_4args", "median_us")
+        ),
+        1.0,
+        False,
+        "lower is better",
+    )
+    row(
+        "I5.1 launch 4 args / PyTorch add_",
+        ratio(
+            _get(res, "fast_launch", "axpy4_median_us"), _get(res, "launch_torch_add", "median_us")
+        ),
+        1.0,
+        False,
+        "lower is better",
+    )
+    row(
+        "I5.1 tracing on / off (empty launch)",
+        ratio(
+            _get(res, "fast_launch", "empty_traced_median_us"),
+            _get(res, "fast_launch", "empty_median_us"),
+        ),
+        1.5,
+        False,
+        "with ctx.trace() recording every op",
+    )
+    for ours, peer, name in (
+        ("h2d_pinned_gbps", "copy_h2d_pinned", "H2D pinned"),
+        ("d2h_pinned_gbps", "copy_d2h_pinned", "D2H pinned"),
+        ("d2d_gbps", "copy_d2d", "D2D"),
+    ):
+        row(
+            f"I5.2 {name} / raw",
+            ratio(_get(res, "fast_copies", ours), _get(res, peer, "median_gbps")),
+            0.97,
+            True,
+            "GB/s",
+        )
+    row(
+        "I5.2 pageable H2D / raw cuMemcpyHtoD",
+        ratio(
+            _get(res, "fast_copies", "h2d_pageable_gbps"),
+            _get(res, "copy_h2d_pageable", "median_gbps"),
+        ),
+        2.0,
+        True,
+        "GB/s",
+    )
+    row(
+        "I5.3 cuMemAlloc+Free / pooled device buffer",
+        ratio(_get(res, "alloc_device", "median_us"), _get(res, "fast_alloc", "device_1mib_us")),
+        10.0,
+        True,
+        "speed-up, 1 MiB",
+    )
+    row(
+        "I5.3 cuMemAllocHost+FreeHost / pooled host buffer",
+        ratio(_get(res, "alloc_pinned_host", "median_us"), _get(res, "fast_alloc", "host_1mib_us")),
+        10.0,
+        True,
+        "speed-up, 1 MiB",
+    )
+    row(
+        "I5.4 fresh-process cache hit / cold compile",
+        ratio(
+            _get(res, "fast_compile", "fresh_process_disk_hit_ms"),
+            _get(res, "fast_compile", "cold_nvrtc_ms"),
+        ),
+        0.01,
+        False,
+        "ms / ms",
+    )
+    row(
+        "I5.5 16 streams x 2 ms / one",
+        _get(res, "fast_overlap", "sixteen_over_one"),
+        1.15,
+        False,
+        "wall time",
+    )
+    row(
+        "I5.5 4-stream pipeline speed-up",
+        _get(res, "fast_overlap", "pipeline_speedup"),
+        1.8,
+        True,
+        "H2D+kernel+D2H",
+    )
+    return rows
+
+
+def format_goals(rows: list[dict[str, Any]]) -> str:
+    out = [f"{'goal':58s} {'measured':>10s} {'target':>8s}  met"]
+    for r in rows:
+        v = "n/a" if r["value"] is None else f"{r['value']:.3f}"
+        op = ">=" if r["better"] == "higher" else "<="
+        met = {True: "yes", False: "NO", None: "-"}[r["met"]]
+        out.append(f"{r['goal']:58s} {v:>10s} {op}{r['target']:<6g}  {met}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", action="store_true", help="run the GPU sections too")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
+    ap.add_argument("--json", metavar="PATH", help="write the full results here")
+    ap.add_argument("--skip-peers", action="store_true")
+    a = ap.parse_args(argv)
+
+    import bench_cpu
+
+    steps: list[tuple[str, str, Callable[[], dict[str, Any]]]] = [
+        ("cpu_functions", "cpu", lambda: bench_cpu.cpu_functions(a.quick)),
+        ("host_copies", "cpu", lambda: bench_cpu.host_copies(a.quick)),
+    ]
+    results: list[H.CaseResult] = []
+    env = H.environment_info(probe_gpu=a.device)
+    started = H.utc_now()
+    t0 = time.perf_counter()
+    if a.device:
+        import bench_engine
+        import bench_fastpaths
+        import peers_gpu
+
+        import asyncgpu as ag
+
+        ctx = ag.DeviceContext(api="cuda")
+        empty = ctx.compile_function(bench_engine.SRC, "empty")
+        spin = ctx.compile_function(bench_engine.SRC, "spin")
+
+        def latency() -> dict[str, Any]:
+            r = bench_engine.latency(ctx, empty, 300 if a.quick else 2000)
+            return {
+                "await_median_us": r["asyncgpu_await"]["median_us"],
+                "await_p99_us": r["asyncgpu_await"]["p99_us"],
+                "blocking_median_us": r["blocking_stream_sync"]["median_us"],
+                "blocking_p99_us": r["blocking_stream_sync"]["p99_us"],
+                "event_synchronize_median_us": r["asyncgpu_event_synchronize"]["median_us"],
+                "ratio_await_over_blocking": r["ratio_await_over_blocking"],
+            }
+
+        steps += [
+            ("engine_latency", "engine", latency),
+            (
+                "engine_throughput",
+                "engine",
+                lambda: bench_engine.throughput(ctx, empty, 1000, 10, 8),
+            ),
+            ("engine_idle", "engine", lambda: bench_engine.idle(ctx, spin, 200.0)),
+            ("engine_loops", "engine", lambda: bench_engine.loops(ctx, empty)),
+            ("fast_launch", "fastpath", lambda: bench_fastpaths.launch(ctx, a.quick)),
+            ("fast_copies", "fastpath", lambda: bench_fastpaths.copies(ctx, a.quick)),
+            ("fast_alloc", "fastpath", lambda: bench_fastpaths.alloc(ctx, a.quick)),
+            ("fast_compile", "fastpath", lambda: bench_fastpaths.compile_cache(ctx, a.quick)),
+            ("fast_overlap", "fastpath", lambda: bench_fastpaths.overlap(ctx, a.quick)),
+        ]
+    n = len(steps) + (0 if not a.device or a.skip_peers else 1)
+    for i, (name, group, fn) in enumerate(steps):
+        _progress(i, n, name)
+        r = H.run_case(name, group, fn)
+        print(f"  {name}: {r.status} {r.reason or ''}", file=sys.stderr, flush=True)
+        results.append(r)
+    if a.device and not a.skip_peers:
+        _progress(n - 1, n, "peers (cuda.bindings, cuda.core, CuPy, PyTorch, naive asyncio)")
+        params = peers_gpu.Params.quick() if a.quick else peers_gpu.Params()
+        results += peers_gpu.run_all(
+            params, peers_gpu.CASES, log=lambda m: print(m, file=sys.stderr, flush=True)
+        )
+        ctx.close()
+    _progress(n, n, "done")
+    env["libraries"] = H.library_versions()
+    record = H.make_record(
+        results,
+        env,
+        suite="asyncgpu",
+        params={"quick": a.quick, "device": a.device},
+        started_at=started,
+        total_seconds=time.perf_counter() - t0,
+    )
+    rows = goal_rows(record["results"])
+    record["goals"] = rows
+    print(H.format_table(results, {}))
+    print()
+    print(format_goals(rows))
+    if a.json:
+        print("wrote", H.write_json(a.json, record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

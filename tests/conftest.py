@@ -1,0 +1,96 @@
+"""Fixtures shared by the suite: every case runs on every device.
+
+``ctx`` (and ``api``) are parametrized over the devices: ``cpu`` always, and
+``cuda`` marked ``gpu``, skipped with the reason when this machine has no CUDA
+GPU. ``rng`` is a NumPy generator with a fresh seed per test (printed, so a
+failure can be replayed with ``ASYNCGPU_TEST_SEED``). ``gate`` makes gates:
+CPU functions that hold a stream until the test opens them.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import secrets
+
+import numpy as np
+import pytest
+from _kernels import Gate
+
+import asyncgpu
+
+
+def _cuda_devices() -> tuple[int, str]:
+    """How many CUDA devices asyncgpu sees, and why there are none."""
+    try:
+        n = asyncgpu.DeviceContext.number_of_devices(api="cuda")
+    except Exception as e:  # no driver, no cuda-python, no backend: never an error here
+        return 0, f"no CUDA device: number_of_devices(api='cuda') raised {type(e).__name__}: {e}"
+    if n == 0:
+        return 0, "no CUDA GPU: DeviceContext.number_of_devices(api='cuda') is 0"
+    return n, ""
+
+
+CUDA_DEVICES, NO_CUDA_REASON = _cuda_devices()
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def api(request: pytest.FixtureRequest) -> str:
+    """The device API of this run of the test: ``"cpu"`` or ``"cuda"``."""
+    if request.param == "cuda" and CUDA_DEVICES == 0:
+        pytest.skip(NO_CUDA_REASON)
+    return request.param
+
+
+@pytest.fixture
+def ctx(api: str):
+    """A fresh context on the device under test, closed after the test."""
+    c = asyncgpu.DeviceContext(api=api)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def gate(ctx):
+    """``gate()`` returns a new ``Gate``; every gate is opened at teardown (before
+    the context closes), so a failing test never leaves a stream held."""
+    made: list[Gate] = []
+
+    def make() -> Gate:
+        g = Gate()
+        made.append(g)
+        return g
+
+    try:
+        yield make
+    finally:
+        for g in made:
+            g.open()
+
+
+#: A test still running after this long is hung: dump every thread's stack and exit,
+#: so a broken completion path fails the run instead of stalling it.
+HANG_S = float(os.environ.get("ASYNCGPU_TEST_HANG_S", 300))
+
+
+@pytest.fixture(autouse=True)
+def _hang_watchdog():
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(os.environ.get("ASYNCGPU_TEST_SEED") or secrets.randbits(32))
+    print(f"rng seed: ASYNCGPU_TEST_SEED={seed}")
+    return np.random.default_rng(seed)

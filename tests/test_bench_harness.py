@@ -1,0 +1,236 @@
+"""The benchmark harness helpers (benchmarks/_harness.py): statistics, timing,
+result records, JSON output and the environment probe.  Pure Python: these run
+without a GPU (the probe then records "unavailable: ...")."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import _harness as H  # noqa: E402
+
+# --------------------------------------------------------------------------- statistics
+
+
+@pytest.mark.parametrize("q", [0, 1, 25, 50, 75, 90, 99, 99.9, 100])
+def test_percentile_matches_numpy_linear(q):
+    data = np.random.default_rng(1).exponential(10.0, size=1001)
+    assert H.percentile(data.tolist(), q) == pytest.approx(float(np.percentile(data, q)))
+
+
+def test_percentile_small_inputs():
+    assert H.percentile([7.0], 99) == 7.0
+    assert H.percentile([1, 2, 3, 4], 50) == 2.5
+    assert H.percentile([4, 1, 3, 2], 0) == 1
+    assert H.percentile([4, 1, 3, 2], 100) == 4
+    with pytest.raises(ValueError):
+        H.percentile([], 50)
+    with pytest.raises(ValueError):
+        H.percentile([1, 2], 101)
+
+
+def test_median_odd_even():
+    assert H.median([3, 1, 2]) == 2
+    assert H.median([4, 1, 3, 2]) == 2.5
+
+
+def test_summarize_keys_and_values():
+    s = H.summarize(range(1, 101), "us")
+    assert s["n"] == 100
+    assert s["median_us"] == s["p50_us"] == pytest.approx(50.5)
+    assert s["p99_us"] == pytest.approx(float(np.percentile(np.arange(1, 101), 99)))
+    assert s["min_us"] == 1 and s["max_us"] == 100
+    assert s["mean_us"] == pytest.approx(50.5)
+    assert next(iter(s)) == "median_us"  # the headline metric comes first
+    with pytest.raises(ValueError):
+        H.summarize([])
+
+
+def test_summarize_ns_converts_units():
+    s = H.summarize_ns([1000, 2000, 3000])
+    assert s["median_us"] == pytest.approx(2.0)
+    ms = H.summarize_ns([1_000_000, 3_000_000], "ms")
+    assert ms["median_ms"] == pytest.approx(2.0)
+
+
+def test_bandwidth():
+    assert H.bandwidth_gbps(55e9, 1.0) == pytest.approx(55.0)
+    assert H.bandwidth_gbps(1, 0) == math.inf
+    b = H.summarize_bandwidth(512 << 20, [0.01, 0.02, 0.01])
+    assert b["median_gbps"] == pytest.approx((512 << 20) / 0.01 / 1e9)
+    assert b["min_gbps"] == pytest.approx((512 << 20) / 0.02 / 1e9)
+    assert b["median_ms"] == pytest.approx(10.0)
+    assert b["n"] == 3
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def test_time_calls_counts_and_restores_gc():
+    calls = []
+    assert gc.isenabled()
+    samples = H.time_calls(lambda: calls.append(gc.isenabled()), 20, warmup=5)
+    assert len(samples) == 20
+    assert all(isinstance(t, int) and t >= 0 for t in samples)
+    assert len(calls) == 25
+    assert calls[-1] is False  # paused while timing
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        H.time_calls(lambda: None, 0)
+
+
+def test_time_calls_async():
+    n = 0
+
+    async def op():
+        nonlocal n
+        n += 1
+        await asyncio.sleep(0)
+
+    samples = asyncio.run(H.time_calls_async(op, 10, warmup=3))
+    assert len(samples) == 10 and n == 13
+
+
+def test_run_async_timeout():
+    async def forever():
+        await asyncio.sleep(10)
+
+    with pytest.raises(asyncio.TimeoutError):
+        H.run_async(forever, 0.05)
+    assert H.run_async(lambda: asyncio.sleep(0, result=5)) == 5
+
+
+# --------------------------------------------------------------------------- cases and records
+
+
+def test_run_case_ok_cleans_numpy_scalars():
+    r = H.run_case("x", "g", lambda a: {"median_us": np.float64(a), "n": np.int64(3)}, 2.5)
+    assert r.status == "ok"
+    assert r.metrics == {"median_us": 2.5, "n": 3}
+    assert type(r.metrics["median_us"]) is float and type(r.metrics["n"]) is int
+
+
+def test_run_case_unavailable_and_error():
+    def missing():
+        raise H.Unavailable("cupy: ModuleNotFoundError: No module named 'cupy'")
+
+    r = H.run_case("cupy", "g", missing)
+    assert r.status == "unavailable"
+    assert r.reason.startswith("unavailable: cupy: ModuleNotFoundError")
+
+    def broken():
+        raise ValueError("bad\nsecond line")
+
+    e = H.run_case("b", "g", broken)
+    assert e.status == "error"
+    assert e.reason == "error: ValueError: bad"
+    assert "ValueError" in e.detail
+
+
+def test_environment_records_unavailable_without_driver(monkeypatch):
+    from cuda.bindings import driver as drv
+
+    def no_driver():
+        raise RuntimeError("Failed to dlopen libcuda.so.1")
+
+    monkeypatch.setattr(drv, "cuDriverGetVersion", no_driver)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    env = H.environment_info()
+    for key in ("date", "hostname", "python", "driver_version", "device", "nvml_driver_version"):
+        assert key in env
+    assert env["driver_version"].startswith("unavailable: RuntimeError: Failed to dlopen")
+    assert env["device"].startswith("unavailable")
+    assert isinstance(env["nvml_driver_version"], str)
+    assert env["libraries"]["numpy"].startswith(np.__version__)
+    assert H.device_name(env).startswith("unavailable")
+
+
+def test_environment_real_probe_never_raises():
+    env = H.environment_info()
+    drv_ver = env["driver_version"]
+    assert isinstance(drv_ver, int) or drv_ver.startswith("unavailable")
+    if isinstance(drv_ver, str) or isinstance(env["device"], str):
+        assert str(env["device"]).startswith("unavailable")
+    else:
+        assert env["device"]["name"]
+    assert H.environment_info(probe_gpu=False)["device"] == "unavailable: not probed"
+
+
+def test_library_versions_reports_missing(monkeypatch):
+    monkeypatch.setattr(H, "LIBRARIES", {**H.LIBRARIES, "nope": ("no-such-dist-xyz",)})
+    libs = H.library_versions()
+    assert libs["nope"] == "unavailable: not installed"
+    assert libs["numpy"].startswith(np.__version__)
+    for label in ("cuda-core", "cuda-bindings", "cupy", "torch", "numba-cuda"):
+        assert label in libs
+
+
+def test_record_and_json_roundtrip(tmp_path):
+    results = [
+        H.run_case("a", "completion", lambda: {"median_us": 10.5, "p99_us": float("nan")}),
+        H.CaseResult("b", "launch", "unavailable", reason="unavailable: no GPU"),
+    ]
+    env = H.environment_info(probe_gpu=False)
+    rec = H.make_record(results, env, suite="peers_gpu", params={"repeats": np.int64(5)})
+    out = tmp_path / "sub" / "r.json"
+    assert H.write_json(out, rec) == str(out)
+    data = json.loads(out.read_text())
+    assert data["schema"] == H.SCHEMA and data["suite"] == "peers_gpu"
+    assert data["counts"] == {"ok": 1, "unavailable": 1, "error": 0}
+    assert data["params"] == {"repeats": 5}
+    assert data["results"]["a"]["metrics"] == {"median_us": 10.5, "p99_us": None}
+    assert data["results"]["b"]["reason"] == "unavailable: no GPU"
+    for key in ("date", "hostname", "device", "driver_version", "nvml_driver_version"):
+        assert key in data["environment"]
+    assert data["environment"]["device"].startswith("unavailable")
+    assert not list(tmp_path.glob("sub/*.tmp*"))
+
+
+def test_format_table():
+    results = [
+        H.run_case("rt_x", "completion", lambda: {"median_us": 10.5, "p50_us": 10.5, "p99_us": 20}),
+        H.CaseResult("rt_y", "completion", "unavailable", reason="unavailable: torch missing"),
+    ]
+    text = H.format_table(results, {"rt_x": ("median_us", 9.9)})
+    assert "rt_x" in text and "median_us=10.50" in text and "p99_us=20" in text
+    assert "p50_us" not in text  # secondary statistics are left to the JSON
+    assert "median_us=9.90" in text
+    assert "unavailable: torch missing" in text
+
+
+# --------------------------------------------------------------------------- peers CLI (no GPU)
+
+
+def test_peers_cli_and_unavailable_cases(tmp_path, monkeypatch):
+    import peers_gpu as P
+
+    args = P.build_parser().parse_args(["--json", str(tmp_path / "o.json"), "--quick"])
+    p = P.params_from_args(args)
+    full = P.Params()
+    assert p.repeats * 10 == full.repeats and p.copy_mib < full.copy_mib
+    assert p.tasks == full.tasks  # the throughput workload keeps its shape
+    assert P.params_from_args(P.build_parser().parse_args(["--repeats", "7"])).repeats == 7
+    assert [c.name for c in P.select_cases(["copy_d2d"])] == ["copy_d2d"]
+    assert all(c.group == "launch" for c in P.select_cases(["launch"]))
+    assert "rt_torch_sync" not in [c.name for c in P.select_cases(None, ["torch"])]
+
+    def no_gpu(params):
+        raise H.Unavailable("no CUDA driver: RuntimeError: Failed to dlopen libcuda.so.1")
+
+    monkeypatch.setattr(P, "Gpu", no_gpu)
+    res = P.run_all(p, P.select_cases(["rt_stream_sync", "copy_d2d"]))
+    assert [r.status for r in res] == ["unavailable", "unavailable"]
+    assert res[0].reason == (
+        "unavailable: no CUDA driver: RuntimeError: Failed to dlopen libcuda.so.1"
+    )

@@ -1,0 +1,201 @@
+"""CPU work as stream work: enqueue_cpu_function and enqueue_cpu_range."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+from _kernels import TIMEOUT_S, poison, random_array
+
+from asyncgpu import DeviceContext, DeviceEvent
+
+# -- enqueue_cpu_function ------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_awaited_value_is_the_functions_return_value(ctx: DeviceContext) -> None:
+    ev = ctx.enqueue_cpu_function(divmod, 47, 5)
+    assert isinstance(ev, DeviceEvent)
+    assert await ev == (9, 2)
+    assert await ctx.enqueue_cpu_function(lambda *, k: k * 2, k=21) == 42
+    assert ev.synchronize() == (9, 2)  # the value stays with the event
+
+
+@pytest.mark.asyncio
+async def test_an_exception_comes_back_at_the_await_and_the_stream_goes_on(
+    ctx: DeviceContext,
+) -> None:
+    def boom() -> None:
+        raise KeyError("boom")
+
+    failed = ctx.enqueue_cpu_function(boom)
+    after = ctx.enqueue_cpu_function(lambda: "still running")
+    with pytest.raises(KeyError, match="boom"):
+        await failed
+    with pytest.raises(KeyError):
+        failed.synchronize()  # and again, the same error
+    assert await after == "still running"
+    # Stream-level waits report device faults, not a CPU function's own error.
+    await ctx
+    ctx.synchronize()
+    assert await ctx.enqueue_cpu_function(int, "7") == 7
+
+
+def test_cpu_functions_run_in_stream_order(ctx: DeviceContext) -> None:
+    order: list[int] = []
+    events = [ctx.enqueue_cpu_function(order.append, i) for i in range(50)]
+    events[-1].synchronize()
+    assert order == list(range(50))
+
+
+def test_cpu_functions_run_after_earlier_device_work(
+    ctx: DeviceContext, rng: np.random.Generator
+) -> None:
+    data = random_array(rng, np.float32, 4096)
+    buf = ctx.enqueue_create_buffer(np.float32, 4096)
+    host = ctx.enqueue_create_host_buffer(np.float32, 4096)
+    ctx.enqueue_copy(host, poison(np.float32, 4096))
+    ctx.enqueue_copy(buf, data)
+    ctx.enqueue_copy(host, buf)
+    seen = ctx.enqueue_cpu_function(lambda: host.as_numpy().copy()).synchronize()
+    np.testing.assert_array_equal(seen, data)
+
+
+def test_device_work_after_a_cpu_function_waits_for_it(
+    ctx: DeviceContext, rng: np.random.Generator
+) -> None:
+    data = random_array(rng, np.int32, 1000)
+    host = ctx.enqueue_create_host_buffer(np.int32, 1000)
+    buf = ctx.enqueue_create_buffer(np.int32, 1000)
+    ctx.enqueue_copy(host, poison(np.int32, 1000))
+
+    def write() -> None:
+        host.as_numpy()[:] = data  # the CPU writes ...
+
+    ctx.enqueue_cpu_function(write)
+    ctx.enqueue_copy(buf, host)  # ... then the device reads
+    out = poison(np.int32, 1000)
+    ctx.enqueue_copy(out, buf).synchronize()
+    np.testing.assert_array_equal(out, data)
+
+
+def test_cpu_function_needs_a_callable(ctx: DeviceContext) -> None:
+    with pytest.raises(TypeError):
+        ctx.enqueue_cpu_function(42)  # type: ignore[arg-type]
+
+
+def test_cpu_functions_on_different_streams_overlap(ctx: DeviceContext) -> None:
+    # Each waits for the other: only concurrent execution gets both through.
+    barrier = threading.Barrier(2, timeout=TIMEOUT_S)
+    a = ctx.select_stream(1).enqueue_cpu_function(barrier.wait)
+    b = ctx.select_stream(2).enqueue_cpu_function(barrier.wait)
+    assert sorted([a.synchronize(), b.synchronize()]) == [0, 1]
+
+
+# -- enqueue_cpu_range ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 100, 1001])
+def test_cpu_range_calls_each_index_exactly_once(ctx: DeviceContext, count: int) -> None:
+    calls: Counter[int] = Counter()
+    lock = threading.Lock()
+
+    def fn(i: int) -> None:
+        with lock:
+            calls[i] += 1
+
+    assert ctx.enqueue_cpu_range(fn, count).synchronize() is None
+    assert calls == Counter(range(count))
+
+
+def test_cpu_range_of_zero_calls_nothing(ctx: DeviceContext) -> None:
+    calls: list[int] = []
+    ctx.enqueue_cpu_range(calls.append, 0).synchronize()
+    assert calls == []
+
+
+def test_cpu_range_runs_in_parallel(ctx: DeviceContext) -> None:
+    # Two calls that each wait for the other: a serial range would break the barrier.
+    barrier = threading.Barrier(2, timeout=TIMEOUT_S)
+    got: list[int] = []
+    ctx.enqueue_cpu_range(lambda i: got.append(barrier.wait()), 2).synchronize()
+    assert sorted(got) == [0, 1]
+
+
+def test_cpu_range_starts_after_earlier_work_and_ends_before_later_work(
+    ctx: DeviceContext, gate
+) -> None:
+    count = 16
+    log: list[str] = []
+    lock = threading.Lock()
+    g0 = gate()
+    ctx.enqueue_cpu_function(g0)  # hold the stream before the range
+    ctx.enqueue_cpu_function(log.append, "before")
+    last = count - 1
+    held = gate()  # fn(last) waits on this one
+    rest_done = threading.Event()
+
+    def fn(i: int) -> None:
+        if i == last:
+            held()
+        with lock:
+            log.append(f"range {i}")
+            if i != last and sum(x.startswith("range") for x in log) == count - 1:
+                rest_done.set()
+
+    rng_ev = ctx.enqueue_cpu_range(fn, count)
+    later = ctx.enqueue_cpu_function(lambda: list(log))
+    assert log == []  # nothing before the gate
+    g0.open()
+    assert held.entered.wait(TIMEOUT_S)
+    assert rest_done.wait(TIMEOUT_S)
+    # Every call but the last has finished; the range, and what follows it, has not.
+    assert not rng_ev.query()
+    assert not later.query()
+    held.open()
+    seen = later.synchronize()
+    assert seen[0] == "before"
+    assert sorted(seen[1:]) == sorted(f"range {i}" for i in range(count))
+
+
+@pytest.mark.asyncio
+async def test_cpu_range_errors_come_back_at_the_await(ctx: DeviceContext) -> None:
+    calls: list[int] = []
+
+    def fn(i: int) -> None:
+        calls.append(i)
+        if i == 3:
+            raise ValueError("three")
+
+    with pytest.raises(ValueError, match="three"):
+        await ctx.enqueue_cpu_range(fn, 8)
+    assert sorted(calls) == list(range(8))  # the other calls still ran
+    assert await ctx.enqueue_cpu_function(lambda: "next") == "next"
+
+
+def test_cpu_range_arguments(ctx: DeviceContext) -> None:
+    with pytest.raises(TypeError):
+        ctx.enqueue_cpu_range(None, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ctx.enqueue_cpu_range(print, -1)
+    with pytest.raises(TypeError):
+        ctx.enqueue_cpu_range(print, 2.0)  # type: ignore[arg-type]
+
+
+def test_cpu_range_writes_a_host_buffer(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    n = 500
+    data = random_array(rng, np.float64, n)
+    host = ctx.enqueue_create_host_buffer(np.float64, n)
+    ctx.enqueue_copy(host, poison(np.float64, n))
+
+    def fn(i: int) -> None:
+        host[i] = data[i] * 3
+
+    ctx.enqueue_cpu_range(fn, n)
+    dev = ctx.enqueue_create_buffer(np.float64, n)
+    ctx.enqueue_copy(dev, host)
+    out = poison(np.float64, n)
+    ctx.enqueue_copy(out, dev).synchronize()
+    np.testing.assert_array_equal(out, data * 3)

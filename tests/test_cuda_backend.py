@@ -1,0 +1,454 @@
+"""CUDA-only behaviour: what the CPU device cannot show (NVRTC kernels on the real
+device, device-side waits, host work holding the device back, faults).
+
+Every case compares against NumPy on fresh random data and poisons outputs first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import asyncgpu as ag
+
+
+def _has_cuda() -> bool:
+    try:
+        return ag.DeviceContext.number_of_devices(api="cuda") > 0
+    except Exception:
+        return False
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _has_cuda(), reason="no CUDA device on this machine"),
+]
+
+AXPY = r"""
+extern "C" __global__ void axpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}
+extern "C" __global__ void trap() { __trap(); }
+__constant__ float coeffs[4];
+extern "C" __global__ void poly(const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = coeffs[0] + coeffs[1] * x[i] + coeffs[2] * x[i] * x[i] + coeffs[3];
+}
+extern "C" __global__ void big_shared(float* out) {
+    extern __shared__ float s[];
+    int n = 64 * 1024 / sizeof(float);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s[i] = (float)i;
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = s[n - 1];
+}
+"""
+
+rng = np.random.default_rng()
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    with ag.DeviceContext(api="cuda") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def fns(ctx):
+    return {
+        name: ctx.compile_function(AXPY, name)
+        for name in ("axpy", "spin", "trap", "poly", "big_shared")
+    }
+
+
+def _spin_cycles(ctx, ms: float) -> np.int64:
+    khz = ctx.default_device_info.clock_rate_khz
+    return np.int64(int(khz * ms))
+
+
+def test_device_facts(ctx):
+    info = ctx.default_device_info
+    assert ctx.api() == "cuda"
+    assert info.arch.startswith("sm_") and info.compute_capability is not None
+    assert info.arch == f"sm_{info.compute_capability[0]}{info.compute_capability[1]}"
+    assert info.sm_count > 0 and info.warp_size == 32
+    assert ctx.get_attribute(ag.DeviceAttribute.WARP_SIZE) == 32
+    free, total = ctx.get_memory_info()
+    assert 0 < free <= total == ctx.max_single_alloc_size()
+    assert ctx.get_api_version() >= 12000
+    assert ctx.is_compatible()
+    assert ctx.can_access(ctx)
+    assert isinstance(ctx.supports_multicast(), bool)
+    rng_ = ctx.stream_priority_range()
+    assert rng_.greatest <= rng_.least
+    ctx.run_healthcheck()
+    with ctx.push_context():
+        pass
+    ctx.set_as_current()
+
+
+def test_kernel_axpy_matches_numpy(ctx, fns):
+    n = 100_003
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    dx = ctx.enqueue_create_buffer(np.float32, n)
+    dy = ctx.enqueue_create_buffer(np.float32, n)
+    ctx.enqueue_copy(dx, x)
+    ctx.enqueue_copy(dy, y)
+    a = np.float32(rng.standard_normal())
+    ctx.enqueue_function(
+        fns["axpy"], a, dx, dy, np.int32(n), grid_dim=(n + 255) // 256, block_dim=256
+    )
+    out = np.full(n, np.nan, np.float32)
+    ctx.enqueue_copy(out, dy).synchronize()
+    np.testing.assert_allclose(out, a * x + y, rtol=1e-6, atol=1e-6)
+
+
+def test_every_copy_direction(ctx):
+    n = 4099
+    src = rng.integers(0, 2**31, n, dtype=np.int64)
+    h1 = ctx.enqueue_create_host_buffer(np.int64, n)
+    h2 = ctx.enqueue_create_host_buffer(np.int64, n)
+    d1 = ctx.enqueue_create_buffer(np.int64, n)
+    d2 = ctx.enqueue_create_buffer(np.int64, n)
+    ctx.synchronize()
+    h1.as_numpy()[:] = src
+    h2.as_numpy()[:] = -1
+    ctx.enqueue_copy(d1, h1)  # H2D pinned
+    ctx.enqueue_copy(d2, d1)  # D2D
+    ctx.enqueue_copy(h2, d2)  # D2H pinned
+    ctx.synchronize()
+    assert np.array_equal(h2.as_numpy(), src)
+    h3 = ctx.enqueue_create_host_buffer(np.int64, n)
+    ctx.enqueue_copy(h3, h2).synchronize()  # host-to-host
+    assert np.array_equal(h3.as_numpy(), src)
+    big = np.full(n + 10, -7, np.int64)
+    ctx.enqueue_copy(big, d1).synchronize()  # D2H pageable span (larger)
+    assert np.array_equal(big[:n], src) and (big[n:] == -7).all()
+    d3 = ctx.enqueue_create_buffer(np.int64, n)
+    ctx.enqueue_copy(d3, src[::-1].copy())  # H2D pageable span
+    ctx.enqueue_copy(d3.unsafe_ptr(), d1.unsafe_ptr(), n, dtype=np.int64)  # pointer + size
+    back = np.empty(n, np.int64)
+    ctx.enqueue_copy(back, d3).synchronize()
+    assert np.array_equal(back, src)
+    with pytest.raises(ValueError):
+        ctx.enqueue_copy(d1, ctx.enqueue_create_buffer(np.int64, n - 1))
+
+
+def test_large_pageable_copy_is_staged_and_exact(ctx):
+    n = (40 << 20) // 4 + 123  # several staging chunks plus a tail
+    src = rng.standard_normal(n).astype(np.float32)
+    d = ctx.enqueue_create_buffer(np.float32, n)
+    ev = ctx.enqueue_copy(d, src)
+    del src  # the copy must keep its source alive
+    out = np.full(n, np.nan, np.float32)
+    ctx.enqueue_copy(out, d).synchronize()
+    assert ev.query()
+    assert np.isfinite(out).all()
+    ref = np.empty(n, np.float32)
+    ctx.enqueue_copy(ref, d).synchronize()
+    assert np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize(
+    "dtype,value",
+    [
+        (np.uint8, 0xAB),
+        (np.int16, -12345),
+        (np.float32, 3.25),
+        (np.int32, -7),
+        (np.float64, -2.5e100),
+        (np.int64, -(2**40) - 3),
+        (np.uint64, 2**63 + 5),
+    ],
+)
+def test_memset_every_width(ctx, dtype, value):
+    n = 1001
+    d = ctx.enqueue_create_buffer(dtype, n)
+    ctx.enqueue_copy(d, np.zeros(n, dtype) + np.array(1, dtype))
+    ctx.enqueue_memset(d, value)
+    out = np.empty(n, dtype)
+    ctx.enqueue_copy(out, d).synchronize()
+    assert (out == np.array(value, dtype)).all()
+
+
+def test_cross_stream_copy_waits_for_owner(ctx, fns):
+    s1, s2 = ctx.select_stream(1), ctx.select_stream(2)
+    n = 1 << 16
+    x = rng.standard_normal(n).astype(np.float32)
+    buf = s1.enqueue_create_buffer(np.float32, n)
+    s1.enqueue_copy(buf, x)
+    s1.enqueue_function(fns["spin"], _spin_cycles(ctx, 50), grid_dim=1, block_dim=1)
+    s1.enqueue_function(
+        fns["axpy"], np.float32(2), buf, buf, np.int32(n), grid_dim=n // 256, block_dim=256
+    )  # buf = 3x
+    out = np.full(n, np.nan, np.float32)
+    ev = s2.enqueue_copy(out, buf)  # ordered after s1's spin and axpy
+    ev.synchronize()
+    np.testing.assert_allclose(out, 3 * x, rtol=1e-6)
+
+
+def test_cpu_function_holds_later_gpu_work_back(ctx, fns):
+    s = ctx.select_stream(3)
+    n = 4096
+    h = s.enqueue_create_host_buffer(np.float32, n)
+    d = s.enqueue_create_buffer(np.float32, n)
+    s.synchronize()
+    x = rng.standard_normal(n).astype(np.float32)
+    gate = threading.Event()
+
+    def fill():
+        assert gate.wait(10)
+        h.as_numpy()[:] = x
+        return "filled"
+
+    cpu = s.enqueue_cpu_function(fill)
+    copy = s.enqueue_copy(d, h)
+    out = np.full(n, np.nan, np.float32)
+    done = s.enqueue_copy(out, d)
+    assert not copy.query() and not done.query()  # the GPU waits for the CPU function
+    gate.set()
+    assert cpu.synchronize() == "filled"
+    done.synchronize()
+    assert np.array_equal(out, x)
+
+
+def test_cpu_range_on_cuda_stream(ctx):
+    hits = np.zeros(1000, np.int64)
+
+    def mark(i):
+        hits[i] += 1
+
+    ctx.enqueue_cpu_range(mark, 1000).synchronize()
+    assert (hits == 1).all()
+
+
+def test_constant_memory_and_big_shared(ctx, fns):
+    n = 1000
+    x = rng.standard_normal(n).astype(np.float32)
+    c = rng.standard_normal(4).astype(np.float32)
+    dx = ctx.enqueue_create_buffer(np.float32, n)
+    dy = ctx.enqueue_create_buffer(np.float32, n)
+    ctx.enqueue_copy(dx, x)
+    ctx.enqueue_function(
+        fns["poly"],
+        dx,
+        dy,
+        np.int32(n),
+        grid_dim=4,
+        block_dim=256,
+        constant_memory=[ag.ConstantMemoryMapping("coeffs", c)],
+    )
+    out = np.empty(n, np.float32)
+    ctx.enqueue_copy(out, dy).synchronize()
+    np.testing.assert_allclose(out, c[0] + c[1] * x + c[2] * x * x + c[3], rtol=1e-5, atol=1e-5)
+    res = ctx.enqueue_create_buffer(np.float32, 2)
+    ctx.enqueue_function(
+        fns["big_shared"], res, grid_dim=2, block_dim=256, shared_mem_bytes=64 * 1024
+    )
+    o2 = np.empty(2, np.float32)
+    ctx.enqueue_copy(o2, res).synchronize()
+    assert (o2 == 64 * 1024 / 4 - 1).all()
+
+
+def test_bad_launches_raise_at_the_call(ctx, fns):
+    d = ctx.enqueue_create_buffer(np.float32, 10)
+    with pytest.raises(TypeError, match="NumPy type"):
+        ctx.enqueue_function(fns["axpy"], 2.0, d, d, np.int32(10), grid_dim=1, block_dim=32)
+    with pytest.raises(TypeError, match="4 arguments"):
+        ctx.enqueue_function(fns["axpy"], np.float32(2), d, grid_dim=1, block_dim=32)
+    with pytest.raises(TypeError, match="bytes"):
+        ctx.enqueue_function(
+            fns["axpy"], np.float64(2), d, d, np.int32(10), grid_dim=1, block_dim=32
+        )
+    with pytest.raises(ValueError, match="threads"):
+        ctx.enqueue_function(
+            fns["axpy"], np.float32(2), d, d, np.int32(10), grid_dim=1, block_dim=2048
+        )
+    with pytest.raises(ValueError, match="shared_mem_bytes"):
+        ctx.enqueue_function(
+            fns["big_shared"], d, grid_dim=1, block_dim=32, shared_mem_bytes=10 << 20
+        )
+    with pytest.raises(ag.CompileError, match="undefined"):
+        ctx.compile_function('extern "C" __global__ void k() { undefined_thing(); }', "k")
+
+
+def test_dump_asm_and_load_ptx(ctx):
+    f = ctx.compile_function(AXPY, "axpy", dump_asm=True)
+    assert f.asm is not None and ".entry axpy" in f.asm
+    g = ctx.load_function(function_name="axpy", asm=f.asm)
+    n = 512
+    x = rng.standard_normal(n).astype(np.float32)
+    dx = ctx.enqueue_create_buffer(np.float32, n)
+    dy = ctx.enqueue_create_buffer(np.float32, n)
+    ctx.enqueue_copy(dx, x)
+    ctx.enqueue_memset(dy, 0.5)
+    ctx.enqueue_function(g, np.float32(-1), dx, dy, np.int32(n), grid_dim=2, block_dim=256)
+    out = np.empty(n, np.float32)
+    ctx.enqueue_copy(out, dy).synchronize()
+    np.testing.assert_allclose(out, 0.5 - x, rtol=1e-6)
+
+
+def test_timing_events_and_execution_time(ctx, fns):
+    start = ctx.create_event(disable_timing=False)
+    end = ctx.create_event(disable_timing=False)
+    st = ctx.stream()
+    st.record_event(start)
+    ctx.enqueue_function(fns["spin"], _spin_cycles(ctx, 5), grid_dim=1, block_dim=1)
+    st.record_event(end)
+    end.synchronize()
+    ms = start.elapsed_time(end)
+    assert 2.0 < ms < 100.0
+    ns = ctx.execution_time(
+        lambda c: c.enqueue_function(fns["spin"], _spin_cycles(ctx, 1), grid_dim=1, block_dim=1),
+        5,
+    )
+    assert ns > 2_000_000
+
+
+@pytest.mark.asyncio
+async def test_awaits_resolve_in_order_and_survive_cancellation(ctx, fns):
+    s = ctx.select_stream(4)
+    evs = [
+        s.enqueue_function(fns["spin"], _spin_cycles(ctx, 0.2), grid_dim=1, block_dim=1)
+        for _ in range(20)
+    ]
+    order: list[int] = []
+
+    async def wait(i):
+        await evs[i]
+        order.append(i)
+
+    await asyncio.gather(*(wait(i) for i in reversed(range(20))))
+    assert sorted(order) == list(range(20))
+    assert all(e.query() for e in evs)
+    long = s.enqueue_function(fns["spin"], _spin_cycles(ctx, 30), grid_dim=1, block_dim=1)
+    t = asyncio.ensure_future(long)
+    await asyncio.sleep(0)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    await long  # the work was not cancelled and can be awaited again
+    assert long.query()
+
+
+def test_await_under_trio(ctx, fns):
+    trio = pytest.importorskip("trio")
+
+    async def main():
+        ev = ctx.enqueue_function(fns["spin"], _spin_cycles(ctx, 2), grid_dim=1, block_dim=1)
+        await ev
+        return ev.query()
+
+    assert trio.run(main)
+
+
+def test_awaits_from_several_threads_with_their_own_loops(ctx, fns):
+    results = []
+    barrier = threading.Barrier(4, timeout=30)
+
+    def worker(k):
+        async def main():
+            s = ctx.select_stream(k)
+            n = 1024
+            x = rng.standard_normal(n).astype(np.float32)
+            d = s.enqueue_create_buffer(np.float32, n)
+            await s.enqueue_copy(d, x)
+            barrier.wait()
+            for _ in range(50):
+                await s.enqueue_function(
+                    fns["axpy"], np.float32(1), d, d, np.int32(n), grid_dim=4, block_dim=256
+                )
+            out = np.empty(n, np.float32)
+            await s.enqueue_copy(out, d)
+            results.append(np.allclose(out, x * 2**50, rtol=1e-5))
+
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [True] * 4
+
+
+@pytest.mark.asyncio
+async def test_waiting_on_a_long_kernel_leaves_the_loop_free(ctx, fns):
+    ev = ctx.enqueue_function(fns["spin"], _spin_cycles(ctx, 100), grid_dim=1, block_dim=1)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while not ev.query():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(ev, ticker())
+    assert time.perf_counter() - t0 > 0.05
+    assert ticks > 20  # the loop kept running while the kernel ran
+
+
+FAULT_SCRIPT = textwrap.dedent(
+    r"""
+    import asyncio, sys, time
+    import numpy as np
+    import asyncgpu as ag
+    SRC = 'extern "C" __global__ void trap() { __trap(); }\n' \
+          'extern "C" __global__ void spin(long long c) { long long t = clock64(); ' \
+          'while (clock64() - t < c) {} }'
+    ctx = ag.DeviceContext(api="cuda")
+    trap = ctx.compile_function(SRC, "trap")
+    spin = ctx.compile_function(SRC, "spin")
+    cycles = np.int64(ctx.default_device_info.clock_rate_khz * 50)
+
+    async def main():
+        s1 = ctx.select_stream(1)
+        pending = [s1.enqueue_function(spin, cycles, grid_dim=1, block_dim=1)]
+        pending.append(ctx.enqueue_function(trap, grid_dim=1, block_dim=1))
+        pending.append(s1.enqueue_function(spin, cycles, grid_dim=1, block_dim=1))
+        t0 = time.perf_counter()
+        res = await asyncio.wait_for(
+            asyncio.gather(*pending, return_exceptions=True), timeout=5)
+        dt = time.perf_counter() - t0
+        kinds = {type(r).__name__ for r in res if isinstance(r, BaseException)}
+        print("FAULT", sorted(kinds), round(dt, 3))
+        assert "DeviceFaultError" in kinds, kinds
+        assert dt < 1.0, dt
+
+    asyncio.run(main())
+    try:
+        ctx.enqueue_create_buffer(np.float32, 4)
+        ctx.enqueue_memset(ctx.enqueue_create_buffer(np.float32, 4), 1.0)
+        ctx.synchronize()
+        print("AFTER no error")
+    except ag.AsyncGPUError as e:
+        print("AFTER", type(e).__name__)
+    print("OK")
+    """
+)
+
+
+def test_device_fault_fails_every_pending_await_quickly(tmp_path):
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_SCRIPT)
+    env = dict(os.environ, ASYNCGPU_DISABLE_HEALTHCHECK="1")
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env
+    )
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 0, proc.stderr
+    assert "FAULT" in proc.stdout and "OK" in proc.stdout

@@ -1,0 +1,315 @@
+"""Kernels: one object with a CUDA source and a NumPy body runs on every device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _kernels import ADD_ONE, AXPY, FILL_INDEX, SCALE, blocks_for, poison, random_array
+
+from asyncgpu import (
+    DeviceContext,
+    DeviceEvent,
+    DeviceFunction,
+    Dim,
+    Kernel,
+    LaunchAttribute,
+    UnsupportedError,
+    kernel,
+)
+
+N = 10_000
+
+
+def device_with(ctx: DeviceContext, data: np.ndarray):
+    buf = ctx.enqueue_create_buffer(data.dtype, data.size)
+    ctx.enqueue_copy(buf, data)
+    return buf
+
+
+def read(ctx: DeviceContext, buf) -> np.ndarray:
+    out = poison(buf.dtype, len(buf))
+    ctx.enqueue_copy(out, buf).synchronize()
+    return out
+
+
+# -- running kernels --------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_scale_runs_on_the_device(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    x = random_array(rng, np.float32, N)
+    a = np.float32(rng.uniform(-3, 3))
+    xd = device_with(ctx, x)
+    yd = device_with(ctx, poison(np.float32, N))
+    done = ctx.enqueue_function(
+        SCALE, yd, xd, a, np.int32(N), grid_dim=blocks_for(N), block_dim=256
+    )
+    assert isinstance(done, DeviceEvent)
+    assert await done is None
+    np.testing.assert_array_equal(read(ctx, yd), a * x)
+
+
+def test_axpy_reads_and_writes_in_place(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    x = random_array(rng, np.float32, N)
+    y = random_array(rng, np.float32, N)
+    a = np.float32(rng.choice([0.25, 0.5, 2.0, -4.0]))  # exact products: see _kernels.AXPY
+    xd, yd = device_with(ctx, x), device_with(ctx, y)
+    ctx.enqueue_function(AXPY, a, xd, yd, np.int32(N), grid_dim=blocks_for(N), block_dim=256)
+    np.testing.assert_array_equal(read(ctx, yd), a * x + y)
+    np.testing.assert_array_equal(read(ctx, xd), x)
+
+
+def test_only_the_first_n_elements_are_touched(
+    ctx: DeviceContext, rng: np.random.Generator
+) -> None:
+    data = random_array(rng, np.int32, 1000)
+    buf = device_with(ctx, data)
+    ctx.enqueue_function(ADD_ONE, buf, np.int32(700), grid_dim=4, block_dim=256)  # 1024 threads
+    expect = data.copy()
+    expect[:700] += 1
+    np.testing.assert_array_equal(read(ctx, buf), expect)
+
+
+def test_kernels_in_a_row_run_in_order(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    data = random_array(rng, np.int32, N) // 2
+    buf = device_with(ctx, data)
+    for _ in range(10):
+        ctx.enqueue_function(ADD_ONE, buf, np.int32(N), grid_dim=blocks_for(N), block_dim=256)
+    np.testing.assert_array_equal(read(ctx, buf), data + 10)
+
+
+def test_kernel_on_a_host_buffer(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    data = random_array(rng, np.int32, 300) // 2
+    h = ctx.enqueue_create_host_buffer(np.int32, 300)
+    ctx.enqueue_copy(h, data)
+    ctx.enqueue_function(ADD_ONE, h, np.int32(300), grid_dim=2, block_dim=256).synchronize()
+    np.testing.assert_array_equal(h.as_numpy(), data + 1)
+
+
+def test_kernel_on_a_sub_buffer(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    data = random_array(rng, np.int32, 500) // 2
+    buf = device_with(ctx, data)
+    sub = buf.create_sub_buffer(np.int32, 100, 200)
+    ctx.enqueue_function(ADD_ONE, sub, np.int32(200), grid_dim=1, block_dim=256)
+    expect = data.copy()
+    expect[100:300] += 1
+    np.testing.assert_array_equal(read(ctx, buf), expect)
+
+
+def test_compile_function_gives_a_reusable_device_function(
+    ctx: DeviceContext, rng: np.random.Generator
+) -> None:
+    f = ctx.compile_function(ADD_ONE)
+    assert isinstance(f, DeviceFunction)
+    assert f.name == "add_one"
+    assert f.context() == ctx
+    s1 = ctx.select_stream(1)
+    data = random_array(rng, np.int32, 64) // 2
+    buf0, buf1 = device_with(ctx, data), device_with(s1, data)
+    ctx.enqueue_function(f, buf0, np.int32(64), grid_dim=1, block_dim=64)
+    ctx.enqueue_function(f, buf0, np.int32(64), grid_dim=1, block_dim=64)
+    s1.enqueue_function(f, buf1, np.int32(64), grid_dim=1, block_dim=64)  # one function, any stream
+    np.testing.assert_array_equal(read(ctx, buf0), data + 2)
+    np.testing.assert_array_equal(read(s1, buf1), data + 1)
+    assert "add_one" in repr(f)
+
+
+def test_stream_enqueue_function(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    data = random_array(rng, np.int32, 128) // 2
+    s = ctx.select_stream(2)
+    buf = device_with(s, data)
+    s.stream().enqueue_function(ADD_ONE, buf, np.int32(128), grid_dim=1, block_dim=128)
+    np.testing.assert_array_equal(read(s, buf), data + 1)
+
+
+def test_a_function_of_another_context_is_refused(ctx: DeviceContext, api: str) -> None:
+    with DeviceContext(api=api) as other:
+        f = other.compile_function(ADD_ONE)
+        buf = ctx.enqueue_create_buffer(np.int32, 4)
+        with pytest.raises(ValueError):
+            ctx.enqueue_function(f, buf, np.int32(4), grid_dim=1, block_dim=4)
+
+
+# -- launch geometry --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "grid, block",
+    [
+        (40, 256),
+        ((40,), (256,)),
+        (Dim(40), Dim(256)),
+        ((5, 4, 2), (8, 4, 8)),
+        (Dim(3, 3, 3), Dim(16, 8, 2)),
+        ((2, 7), (32, 9)),
+        (np.int32(40), 256),
+    ],
+    ids=["int", "1-tuple", "Dim", "3-D tuple", "3-D Dim", "2-D tuple", "numpy int"],
+)
+def test_grid_and_block_as_int_tuple_or_dim(
+    ctx: DeviceContext, grid: object, block: object
+) -> None:
+    g = Dim.of(grid) if not isinstance(grid, np.integer) else Dim(int(grid))
+    b = Dim.of(block)
+    n = g.size() * b.size()
+    out = device_with(ctx, poison(np.int32, n + 10))
+    ctx.enqueue_function(FILL_INDEX, out, np.int32(n), grid_dim=grid, block_dim=block)
+    expect = np.arange(n + 10, dtype=np.int32)
+    expect[n:] = poison(np.int32, 10)
+    np.testing.assert_array_equal(read(ctx, out), expect)  # each thread wrote its own index
+
+
+@pytest.mark.parametrize(
+    "grid, block",
+    [(0, 32), (1, 0), (-1, 32), (1, -32), ((1, 0), 32), (1, (32, 1, 0)), (Dim(1, 1, 0), 1)],
+)
+def test_zero_or_negative_dims_are_a_value_error(
+    ctx: DeviceContext, grid: object, block: object
+) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    with pytest.raises(ValueError):
+        ctx.enqueue_function(FILL_INDEX, buf, np.int32(4), grid_dim=grid, block_dim=block)
+
+
+@pytest.mark.parametrize(
+    "grid, block", [(1.0, 32), (1, "32"), ((1, 2, 3, 4), 1), (1, [32]), (True, 1), (None, 1)]
+)
+def test_dims_that_are_not_integers_are_a_type_error(
+    ctx: DeviceContext, grid: object, block: object
+) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    with pytest.raises(TypeError, match=r"grid_dim|block_dim"):  # names the culprit
+        ctx.enqueue_function(FILL_INDEX, buf, np.int32(4), grid_dim=grid, block_dim=block)
+
+
+@pytest.mark.parametrize(
+    "block", [1025, (32, 33), (16, 16, 8), (2048, 1, 1), (1, 1, 65), (1, 1025)], ids=str
+)
+def test_too_many_threads_per_block_is_a_value_error(ctx: DeviceContext, block: object) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    with pytest.raises(ValueError):
+        ctx.enqueue_function(FILL_INDEX, buf, np.int32(4), grid_dim=1, block_dim=block)
+
+
+def test_grid_beyond_the_device_limit_is_a_value_error(ctx: DeviceContext) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    with pytest.raises(ValueError):
+        ctx.enqueue_function(FILL_INDEX, buf, np.int32(4), grid_dim=(1, 65536), block_dim=1)
+
+
+def test_negative_shared_memory_is_a_value_error(ctx: DeviceContext) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    with pytest.raises(ValueError):
+        ctx.enqueue_function(
+            FILL_INDEX, buf, np.int32(4), grid_dim=1, block_dim=4, shared_mem_bytes=-1
+        )
+
+
+@pytest.mark.parametrize("arg", [7, 7.0, True, 1j], ids=["int", "float", "bool", "complex"])
+def test_python_scalars_as_kernel_arguments_are_a_type_error(
+    ctx: DeviceContext, arg: object
+) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    with pytest.raises(TypeError, match=r"(?i)numpy"):  # and says what to pass instead
+        ctx.enqueue_function(ADD_ONE, buf, arg, grid_dim=1, block_dim=4)
+
+
+@pytest.mark.parametrize("api", ["cpu"])
+def test_cpu_device_has_no_clusters_or_cooperative_launches(ctx: DeviceContext) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    with pytest.raises(UnsupportedError):
+        ctx.enqueue_function(ADD_ONE, buf, np.int32(4), grid_dim=2, block_dim=2, cluster_dim=2)
+    with pytest.raises(UnsupportedError):
+        ctx.enqueue_function(
+            ADD_ONE,
+            buf,
+            np.int32(4),
+            grid_dim=2,
+            block_dim=2,
+            attributes=[LaunchAttribute.cooperative()],
+        )
+
+
+@pytest.mark.parametrize("api", ["cpu"])
+def test_cpu_device_needs_a_numpy_body(ctx: DeviceContext) -> None:
+    cuda_only = Kernel("k", cuda='extern "C" __global__ void k() {}')
+    with pytest.raises(UnsupportedError):
+        ctx.compile_function(cuda_only)
+    with pytest.raises(UnsupportedError):
+        ctx.compile_function('extern "C" __global__ void k() {}', "k")
+
+
+@pytest.mark.parametrize("api", ["cpu"])
+def test_cpu_kernel_errors_come_back_at_the_await(ctx: DeviceContext) -> None:
+    def broken(b, out):
+        raise ArithmeticError("bad block")
+
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    ev = ctx.enqueue_function(broken, buf, grid_dim=3, block_dim=1)
+    with pytest.raises(ArithmeticError, match="bad block"):
+        ev.synchronize()
+    ctx.enqueue_function(ADD_ONE, buf, np.int32(4), grid_dim=1, block_dim=4).synchronize()
+
+
+@pytest.mark.parametrize("api", ["cpu"])
+def test_cpu_kernels_see_the_launch_geometry(ctx: DeviceContext) -> None:
+    seen: list[tuple] = []
+
+    @kernel()
+    def geometry(b, out):
+        seen.append((tuple(b.grid_dim), tuple(b.block_dim), tuple(b.block_idx)))
+        assert b.thread_idx.x.shape == (b.block_dim.size(),)
+        assert b.shared.nbytes == 16
+
+    buf = ctx.enqueue_create_buffer(np.int32, 1)
+    ctx.enqueue_function(
+        geometry, buf, grid_dim=(2, 3), block_dim=(4, 2), shared_mem_bytes=16
+    ).synchronize()
+    assert sorted(seen) == sorted(
+        ((2, 3, 1), (4, 2, 1), (x, y, 0)) for x in range(2) for y in range(3)
+    )
+
+
+# -- timing -----------------------------------------------------------------------------------
+
+
+def _launch(ctx: DeviceContext, buf) -> None:
+    ctx.enqueue_function(ADD_ONE, buf, np.int32(len(buf)), grid_dim=4, block_dim=256)
+
+
+def test_execution_time_with_and_without_the_context(ctx: DeviceContext) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 1024)
+    buf.enqueue_fill(0)
+    t1 = ctx.execution_time(lambda c: _launch(c, buf), 5)
+    t2 = ctx.execution_time(lambda: _launch(ctx, buf), 5)
+    for t in (t1, t2):
+        assert isinstance(t, int) and t > 0
+    np.testing.assert_array_equal(read(ctx, buf), np.full(1024, 10, np.int32))
+
+
+def test_execution_time_iter_passes_the_iteration(ctx: DeviceContext) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 1024)
+    buf.enqueue_fill(0)
+    seen: list[int] = []
+
+    def with_ctx(c: DeviceContext, i: int) -> None:
+        seen.append(i)
+        _launch(c, buf)
+
+    def without_ctx(i: int) -> None:
+        seen.append(i)
+        _launch(ctx, buf)
+
+    t1 = ctx.execution_time_iter(with_ctx, 3)
+    t2 = ctx.execution_time_iter(without_ctx, 4)
+    for t in (t1, t2):
+        assert isinstance(t, int) and t > 0
+    assert seen == [0, 1, 2, 0, 1, 2, 3]
+    np.testing.assert_array_equal(read(ctx, buf), np.full(1024, 7, np.int32))
+
+
+def test_execution_time_arguments(ctx: DeviceContext) -> None:
+    with pytest.raises(TypeError):
+        ctx.execution_time(42, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ctx.execution_time(lambda: None, -1)

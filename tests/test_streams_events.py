@@ -1,0 +1,347 @@
+"""Streams (the pool, created and external ones), waits between them, and events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from _kernels import TIMEOUT_S, poison, random_array
+
+from asyncgpu import (
+    AsyncGPUError,
+    DeviceContext,
+    DeviceEvent,
+    DeviceStream,
+    StreamPriorityRange,
+    UnsupportedError,
+)
+
+N = 256
+
+# -- the stream pool ------------------------------------------------------------------------
+
+
+def test_num_streams_is_the_pool_size(ctx: DeviceContext) -> None:
+    n = ctx.num_streams()
+    assert isinstance(n, int) and n >= 2
+    assert ctx.select_stream(n - 1).num_streams() == n
+
+
+def test_select_stream_is_a_view_of_the_same_context(
+    ctx: DeviceContext, rng: np.random.Generator
+) -> None:
+    s1 = ctx.select_stream(1)
+    assert s1.api() == ctx.api() and s1.id() == ctx.id()
+    assert s1.stream() != ctx.stream()
+    assert s1.stream().index == 1 and ctx.stream().index == 0
+    # Memory is shared: a buffer made through the view is usable from the base.
+    data = random_array(rng, np.int32, N)
+    buf = s1.enqueue_create_buffer(np.int32, N)
+    s1.enqueue_copy(buf, data)
+    out = poison(np.int32, N)
+    ctx.enqueue_copy(out, buf).synchronize()
+    np.testing.assert_array_equal(out, data)
+    # Views of views are views of the same context.
+    assert s1.select_stream(2) == ctx.select_stream(2)
+    assert s1.select_stream(0) == ctx
+
+
+@pytest.mark.parametrize("bad", [-1, "num_streams"])
+def test_select_stream_out_of_range_is_an_index_error(ctx: DeviceContext, bad: object) -> None:
+    idx = ctx.num_streams() if bad == "num_streams" else bad
+    with pytest.raises(IndexError):
+        ctx.select_stream(idx)
+
+
+def test_select_stream_needs_an_int(ctx: DeviceContext) -> None:
+    with pytest.raises(TypeError):
+        ctx.select_stream(1.0)  # type: ignore[arg-type]
+
+
+def test_stream_is_the_views_current_stream(ctx: DeviceContext) -> None:
+    s = ctx.stream()
+    assert isinstance(s, DeviceStream)
+    assert s == ctx.stream()
+    assert s.context() == ctx
+    assert ctx.select_stream(3).stream().context() == ctx.select_stream(3)
+    assert isinstance(s.handle, int)
+    assert ctx.api() in repr(s)
+
+
+# -- created and external streams -------------------------------------------------------------
+
+
+def test_stream_priority_range(ctx: DeviceContext, api: str) -> None:
+    rng = ctx.stream_priority_range()
+    assert isinstance(rng, StreamPriorityRange)
+    assert rng.greatest <= rng.least  # lower numbers are higher priorities
+    if api == "cpu":
+        assert rng == (0, 0)
+
+
+def test_create_stream_with_each_priority(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    prio = ctx.stream_priority_range()
+    data = random_array(rng, np.float32, N)
+    for p in sorted({prio.least, prio.greatest, 0}):
+        s = ctx.create_stream(priority=p)
+        assert isinstance(s, DeviceStream)
+        assert s.priority() == p
+        assert s != ctx.stream()
+        view = s.context()
+        buf = view.enqueue_create_buffer(np.float32, N)
+        view.enqueue_copy(buf, data)
+        out = poison(np.float32, N)
+        view.enqueue_copy(out, buf)
+        s.synchronize()
+        np.testing.assert_array_equal(out, data)
+
+
+def test_create_stream_outside_the_range_is_a_value_error(ctx: DeviceContext) -> None:
+    prio = ctx.stream_priority_range()
+    with pytest.raises(ValueError):
+        ctx.create_stream(priority=prio.least + 1)
+    with pytest.raises(ValueError):
+        ctx.create_stream(priority=prio.greatest - 1)
+
+
+@pytest.mark.parametrize("api", ["cpu"])
+def test_cpu_device_has_no_external_streams(ctx: DeviceContext) -> None:
+    with pytest.raises(UnsupportedError):
+        ctx.create_external_stream(0)
+
+
+@pytest.mark.parametrize("api", [pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_external_stream_wraps_a_native_handle(api: str, rng: np.random.Generator) -> None:
+    from _kernels import cuda_device_count
+
+    if cuda_device_count() == 0:
+        pytest.skip("no CUDA GPU")
+    with DeviceContext(api=api) as ctx:
+        owned = ctx.create_stream()
+        ext = ctx.create_external_stream(owned.handle)
+        assert ext.handle == owned.handle
+        data = random_array(rng, np.int32, N)
+        view = ext.context()
+        buf = view.enqueue_create_buffer(np.int32, N)
+        view.enqueue_copy(buf, data)
+        out = poison(np.int32, N)
+        view.enqueue_copy(out, buf)
+        ext.synchronize()
+        np.testing.assert_array_equal(out, data)
+
+
+# -- waits between streams ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["context", "stream", "event", "stream.enqueue_wait_for"])
+def test_enqueue_wait_for_orders_work_across_streams(
+    ctx: DeviceContext, rng: np.random.Generator, gate, form: str
+) -> None:
+    s1 = ctx.select_stream(1)
+    data = random_array(rng, np.int64, N)
+    buf = s1.enqueue_create_buffer(np.int64, N)  # owned by stream 1
+    g = gate()
+    s1.enqueue_cpu_function(g)
+    s1.enqueue_copy(buf, data)  # held behind the gate on stream 1
+    if form == "context":
+        ctx.enqueue_wait_for(s1)
+    elif form == "stream":
+        ctx.enqueue_wait_for(s1.stream())
+    elif form == "event":
+        ev = ctx.create_event()
+        s1.stream().record_event(ev)
+        ctx.enqueue_wait_for(ev)
+    else:
+        ctx.stream().enqueue_wait_for(s1)
+    out = poison(np.int64, N)
+    # No automatic cross-stream sync here: only the wait orders this copy.
+    copied = ctx.enqueue_copy_no_cross_stream_sync(out, buf)
+    assert g.entered.wait(TIMEOUT_S)
+    assert not copied.query()
+    g.open()
+    copied.synchronize()
+    np.testing.assert_array_equal(out, data)
+
+
+def test_enqueue_wait_for_returns_an_event(ctx: DeviceContext, gate) -> None:
+    s1 = ctx.select_stream(1)
+    g = gate()
+    held = s1.enqueue_cpu_function(g)
+    waited = ctx.enqueue_wait_for(s1)
+    assert isinstance(waited, DeviceEvent)
+    assert not waited.query()
+    g.open()
+    waited.synchronize()
+    assert held.query()
+
+
+def test_waiting_for_oneself_or_nothing_is_a_no_op(ctx: DeviceContext) -> None:
+    assert ctx.enqueue_wait_for(ctx).query()
+    assert ctx.enqueue_wait_for(ctx.select_stream(5)).query()  # nothing enqueued there
+    with pytest.raises(TypeError):
+        ctx.enqueue_wait_for(42)  # type: ignore[arg-type]
+
+
+def test_wait_across_contexts(api: str, rng: np.random.Generator, gate) -> None:
+    with DeviceContext(api=api) as a, DeviceContext(api=api) as b:
+        g = gate()
+        a.enqueue_cpu_function(g)
+        seen = []
+        a.enqueue_cpu_function(seen.append, "a")
+        b.enqueue_wait_for(a)
+        after = b.enqueue_cpu_function(lambda: list(seen))
+        assert not after.query()
+        g.open()
+        assert after.synchronize() == ["a"]
+
+
+# -- events -----------------------------------------------------------------------------------
+
+
+def test_a_new_event_is_done_until_recorded(ctx: DeviceContext, gate) -> None:
+    ev = ctx.create_event()
+    assert isinstance(ev, DeviceEvent)
+    assert ev.query()
+    g = gate()
+    ctx.enqueue_cpu_function(g)
+    ctx.stream().record_event(ev)
+    assert not ev.query()
+    g.open()
+    ev.synchronize()
+    assert ev.query()
+
+
+def test_recording_again_moves_the_event(ctx: DeviceContext, gate) -> None:
+    ev = ctx.create_event()
+    ctx.stream().record_event(ev)
+    ev.synchronize()
+    g = gate()
+    ctx.enqueue_cpu_function(g)
+    ctx.stream().record_event(ev)
+    assert not ev.query()
+    g.open()
+    ev.synchronize()
+    assert ev.query()
+
+
+def test_record_on_an_idle_stream_is_done_at_once(ctx: DeviceContext) -> None:
+    ev = ctx.create_event()
+    ctx.select_stream(4).stream().record_event(ev)
+    ev.synchronize()
+    assert ev.query()
+
+
+@pytest.mark.asyncio
+async def test_await_event_stream_and_context(ctx: DeviceContext, gate) -> None:
+    for target in ("event", "stream", "context"):
+        g = gate()
+        held = ctx.enqueue_cpu_function(g)
+        ev = ctx.create_event()
+        ctx.stream().record_event(ev)
+        awaitable = {"event": ev, "stream": ctx.stream(), "context": ctx}[target]
+
+        async def wait(a=awaitable) -> None:
+            await a
+
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0)
+        assert not task.done(), target
+        g.open()
+        await asyncio.wait_for(task, TIMEOUT_S)
+        assert held.query(), target
+
+
+@pytest.mark.asyncio
+async def test_await_of_an_idle_stream_returns(ctx: DeviceContext) -> None:
+    await ctx.select_stream(6)
+    await ctx.select_stream(6).stream()
+
+
+def test_await_of_a_never_recorded_event_is_done(ctx: DeviceContext) -> None:
+    ev = ctx.create_event()
+    assert ev.synchronize() is None
+
+
+def test_stream_synchronize_waits_for_that_stream_only(ctx: DeviceContext, gate) -> None:
+    s1, s2 = ctx.select_stream(1), ctx.select_stream(2)
+    g = gate()
+    held = s1.enqueue_cpu_function(g)
+    mine = s2.enqueue_cpu_function(lambda: 2)
+    s2.stream().synchronize()  # returns though stream 1 is held
+    assert mine.query() and not held.query()
+    g.open()
+    s1.synchronize()
+    assert held.query()
+
+
+def test_elapsed_time_between_timing_events(ctx: DeviceContext, gate) -> None:
+    start = ctx.create_event(disable_timing=False)
+    end = ctx.create_event(disable_timing=False)
+    s = ctx.stream()
+    s.record_event(start)
+    g = gate()
+    ctx.enqueue_cpu_function(g)
+    s.record_event(end)
+    g.open()
+    end.synchronize()
+    ms = start.elapsed_time(end)
+    assert isinstance(ms, float)
+    assert ms > 0
+
+
+def test_elapsed_time_needs_timing_events(ctx: DeviceContext) -> None:
+    start = ctx.create_event()  # timing is off by default
+    end = ctx.create_event()
+    ctx.stream().record_event(start)
+    ctx.stream().record_event(end)
+    end.synchronize()
+    with pytest.raises((ValueError, AsyncGPUError)):
+        start.elapsed_time(end)
+
+
+def test_elapsed_time_needs_recorded_events(ctx: DeviceContext) -> None:
+    start = ctx.create_event(disable_timing=False)
+    end = ctx.create_event(disable_timing=False)
+    with pytest.raises(AsyncGPUError):
+        start.elapsed_time(end)
+
+
+def test_blocking_sync_events(ctx: DeviceContext, gate) -> None:
+    ev = ctx.create_event(blocking_sync=True)
+    g = gate()
+    ctx.enqueue_cpu_function(g)
+    ctx.stream().record_event(ev)
+    assert not ev.query()
+    g.open()
+    ev.synchronize()
+    assert ev.query()
+
+
+@pytest.mark.parametrize("api", ["cpu"])
+def test_cpu_device_has_no_interprocess_events(ctx: DeviceContext) -> None:
+    with pytest.raises(UnsupportedError):
+        ctx.create_event(interprocess=True)
+
+
+def test_add_done_callback(ctx: DeviceContext, gate) -> None:
+    import threading
+
+    g = gate()
+    ev = ctx.enqueue_cpu_function(g)
+    called = threading.Event()
+    seen: list[DeviceEvent] = []
+
+    def cb(e: DeviceEvent) -> None:
+        seen.append(e)
+        called.set()
+
+    ev.add_done_callback(cb)
+    assert not called.is_set()
+    g.open()
+    assert called.wait(TIMEOUT_S)
+    assert seen == [ev]
+    # On a finished event the callback runs at once, on this thread.
+    late: list[DeviceEvent] = []
+    ev.add_done_callback(late.append)
+    assert late == [ev]

@@ -1,0 +1,115 @@
+"""Tracing: the dependency graph of the work enqueued inside ``with ctx.trace()``."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+from _kernels import ADD_ONE, random_array
+
+from asyncgpu import DeviceContext, Trace, TraceEdge, TraceNode
+
+
+def test_trace_records_nodes_and_stream_edges(ctx: DeviceContext, rng: np.random.Generator) -> None:
+    data = random_array(rng, np.int32, 256) // 2
+    with ctx.trace() as t:
+        assert isinstance(t, Trace)
+        buf = ctx.enqueue_create_buffer(np.int32, 256)
+        copy_in = ctx.enqueue_copy(buf, data)
+        fill = ctx.enqueue_memset(buf, 3)
+        launch = ctx.enqueue_function(ADD_ONE, buf, np.int32(256), grid_dim=1, block_dim=256)
+        cpu = ctx.enqueue_cpu_function(lambda: None)
+        rng_ev = ctx.enqueue_cpu_range(lambda i: None, 4)
+        ctx.synchronize()
+    nodes = [t.node_of(e) for e in (copy_in, fill, launch, cpu, rng_ev)]
+    assert all(isinstance(n, TraceNode) for n in nodes)
+    assert [n.kind for n in nodes] == ["copy", "memset", "kernel", "cpu", "cpu_range"]
+    assert {n.stream for n in nodes} == {f"{ctx.api()}:{ctx.id()}/s0"}  # one lane per stream
+    assert nodes[0].nbytes == 256 * 4
+    assert nodes[2].label == "add_one"
+    # Each operation depends on the one before it on the stream.
+    for a, b in itertools.pairwise(nodes):
+        assert TraceEdge(a.id, b.id, "stream") in t.edges
+        assert a.id in b.deps
+    # Completion times were noticed.
+    for n in nodes:
+        assert n.end_ns is not None and n.submit_ns <= n.end_ns
+        assert n.start_ns is not None and n.submit_ns <= n.start_ns <= n.end_ns
+
+
+def test_trace_records_a_wait_edge_across_streams(ctx: DeviceContext) -> None:
+    s1 = ctx.select_stream(1)
+    with ctx.trace() as t:
+        first = ctx.enqueue_cpu_function(lambda: 0)
+        waited = s1.enqueue_wait_for(ctx)
+        after = s1.enqueue_cpu_function(lambda: 1)
+        s1.synchronize()
+    a, w, b = (t.node_of(e) for e in (first, waited, after))
+    assert a.stream != w.stream == b.stream
+    assert w.kind == "wait"
+    assert TraceEdge(a.id, w.id, "wait") in t.edges
+    assert TraceEdge(w.id, b.id, "stream") in t.edges
+    assert set(t.streams) == {a.stream, w.stream}
+
+
+def test_trace_records_the_waits_of_a_cross_stream_copy(
+    ctx: DeviceContext, rng: np.random.Generator
+) -> None:
+    s1, s2 = ctx.select_stream(1), ctx.select_stream(2)
+    buf = s1.enqueue_create_buffer(np.float32, 64)
+    with ctx.trace() as t:
+        wrote = s1.enqueue_copy(buf, random_array(rng, np.float32, 64))
+        out = np.empty(64, np.float32)
+        read = s2.enqueue_copy(out, buf)
+        s2.synchronize()
+    w, r = t.node_of(wrote), t.node_of(read)
+    assert r.stream == f"{ctx.api()}:{ctx.id()}/s2"
+    # The copy was ordered after the owner's write: a wait edge between the lanes.
+    assert TraceEdge(w.id, r.id, "wait") in t.edges
+    assert w.id in r.deps
+
+
+def test_as_dict_is_plain_data(ctx: DeviceContext) -> None:
+    with ctx.trace() as t:
+        ctx.enqueue_cpu_function(lambda: 0)
+        ctx.select_stream(1).enqueue_wait_for(ctx)
+        ctx.select_stream(1).synchronize()
+    d = t.as_dict()
+    assert set(d) >= {"t0_ns", "streams", "nodes", "edges"}
+    assert json.loads(json.dumps(d)) == d
+    assert [n["kind"] for n in d["nodes"]] == ["cpu", "wait"]
+    assert all({"id", "stream", "kind", "label", "deps"} <= set(n) for n in d["nodes"])
+    assert {"src": 0, "dst": 1, "kind": "wait"} in d["edges"]
+
+
+def test_nothing_is_recorded_outside_the_block(ctx: DeviceContext) -> None:
+    before = ctx.enqueue_cpu_function(lambda: 0)
+    with ctx.trace() as t:
+        inside = ctx.enqueue_cpu_function(lambda: 1)
+    after = ctx.enqueue_cpu_function(lambda: 2)
+    after.synchronize()
+    assert t.node_of(before) is None and t.node_of(after) is None
+    assert t.node_of(inside) is not None
+    assert len(t.nodes) == 1
+
+
+def test_errors_are_recorded(ctx: DeviceContext) -> None:
+    def fail() -> None:
+        raise RuntimeError("traced failure")
+
+    with ctx.trace() as t:
+        ev = ctx.enqueue_cpu_function(fail)
+        ctx.synchronize()
+    assert "traced failure" in t.node_of(ev).error
+
+
+def test_trace_with_a_path_writes_chrome_json(ctx: DeviceContext, tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    with ctx.trace(path):
+        ctx.enqueue_cpu_function(lambda: 0)
+        ctx.select_stream(1).enqueue_wait_for(ctx)
+    doc = json.loads(path.read_text())
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    assert any(e.get("ph") == "X" for e in events)
