@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -240,6 +241,15 @@ class CudaStream(_PolledStream):
         self.saddr = _slab.take()
         self._counter = ctypes.c_uint64.from_address(self.caddr)
         self._hostsig = ctypes.c_uint64.from_address(self.saddr)
+        self._marker_lock = threading.Lock()
+        self._free_events: list[Any] = []
+        self._done_seq = 0
+        if backend.completion == "event":
+            self._events: deque[tuple[int, Any]] | None = deque()
+            self._completed = self._completed_events  # type: ignore[method-assign]
+        else:
+            self._events = None
+            self._completed = self._completed_counter  # type: ignore[method-assign]
         self._host_ops = 0
         self.is_closed = False
         self.label = f"cuda:{state.device_id}/s{index}"
@@ -250,22 +260,70 @@ class CudaStream(_PolledStream):
     # -- the hot path ------------------------------------------------------------------
 
     def _mark(self, keep: Any) -> DeviceEvent:
-        """Append the completion write for the operation just submitted. Call with
-        ``_submit_lock`` held."""
+        """The event of the operation just submitted (call with ``_submit_lock``
+        held, after ``_before_submit`` and the driver call)."""
         seq = self._seq = self._seq + 1
-        err = _write_value64(self.raw, self.caddr, seq, 0)[0]
-        if err != _SUCCESS:
-            raise _error(err, "cuStreamWriteValue64")
         ev = DeviceEvent(self, seq, keep)
         self._inflight.append(ev)
         return ev
+
+    # -- markers: a counter the GPU writes, or driver events -----------------------------
+
+    def _place_marker(self) -> None:
+        seq = self._seq
+        if self._events is None:
+            err = _write_value64(self.raw, self.caddr, seq, 0)[0]
+            if err != _SUCCESS:
+                raise _error(err, "cuStreamWriteValue64")
+        else:
+            with self._marker_lock:
+                free = self._free_events
+                e = free.pop() if free else _check(
+                    cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
+                )
+                err = cu.cuEventRecord(e, self.raw)[0]
+                if err != _SUCCESS:
+                    free.append(e)
+                    raise _error(err, "cuEventRecord")
+                self._events.append((seq, e))
+        self._marked = seq
+
+    def _completed_counter(self) -> int:
+        return self._counter.value
+
+    def _completed_events(self) -> int:
+        ms = self._events
+        if ms:
+            with self._marker_lock:
+                if ms:
+                    seq, e = ms[-1]
+                    if cu.cuEventQuery(e)[0] == _SUCCESS:
+                        self._done_seq = seq
+                        self._free_events.extend(x[1] for x in ms)
+                        ms.clear()
+                    else:
+                        while ms and cu.cuEventQuery(ms[0][1])[0] == _SUCCESS:
+                            seq, e = ms.popleft()
+                            self._done_seq = seq
+                            self._free_events.append(e)
+        return self._done_seq
+
+    def _marker_at_or_after(self, seq: int) -> Any:
+        """The marker event covering ``seq`` (None if already passed)."""
+        with self._marker_lock:
+            for s, e in self._events or ():
+                if s >= seq:
+                    return e
+        return None
 
     def _prune(self) -> None:
         """Retire what has finished (releasing what it kept alive) and have the
         watcher sweep this stream later."""
         inflight = self._inflight
-        if inflight and inflight[0]._seq <= self._counter.value:
-            self._retire()
+        # Counters cost a memory read; driver events a query, so check those rarely.
+        if inflight and (self._events is None or len(inflight) >= 64):
+            if inflight[0]._seq <= self._completed():
+                self._retire()
         watcher.sweep_later(self)
 
     def launch(
@@ -282,6 +340,7 @@ class CudaStream(_PolledStream):
         if constant_memory:
             self.backend.write_constants(impl, constant_memory, self)
         with self._submit_lock:
+            self._before_submit()
             if cfg.priority is None:
                 _launch(self.cs, cfg.cc, impl.kernel, *kargs)
             else:
@@ -294,6 +353,7 @@ class CudaStream(_PolledStream):
         if nbytes and (dst._kind == "pageable" or src._kind == "pageable"):
             return self._staged_copy(dst, src, nbytes, keep)
         with self._submit_lock:
+            self._before_submit()
             if nbytes:
                 err = cu.cuMemcpyAsync(dst._ptr, src._ptr, nbytes, self.raw)[0]
                 if err != _SUCCESS:
@@ -317,6 +377,7 @@ class CudaStream(_PolledStream):
         bits = value.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
         ptr, s = dst._ptr, self.raw
         with self._submit_lock:
+            self._before_submit()
             if count:
                 if size == 1:
                     r = cu.cuMemsetD8Async(ptr, int(bits), count, s)
@@ -336,13 +397,19 @@ class CudaStream(_PolledStream):
         other = ev._stream
         if ev._done or ev.query():
             with self._submit_lock:
+                self._before_submit()
                 return self._mark(None)
         if isinstance(other, CudaStream):
+            other._need(ev)
             with self._submit_lock:
-                _check(
-                    cu.cuStreamWaitValue64(self.raw, other.caddr, ev._seq, _GEQ),
-                    "cuStreamWaitValue64",
-                )
+                self._before_submit()
+                if other._events is None:
+                    _check(cu.cuStreamWaitValue64(self.raw, other.caddr, ev._seq, _GEQ),
+                           "cuStreamWaitValue64")
+                else:
+                    e = other._marker_at_or_after(ev._seq)
+                    if e is not None:
+                        _check(cu.cuStreamWaitEvent(self.raw, e, 0), "cuStreamWaitEvent")
                 return self._mark(ev)
 
         # An event of a push-completed stream (the CPU device): host work that ends
@@ -365,6 +432,7 @@ class CudaStream(_PolledStream):
         error)`` when done; the device holds later work until then."""
         sig = self._hostsig
         with self._submit_lock:
+            self._before_submit()
             prev = self.tail() if after_prev else None
             k = self._host_ops = self._host_ops + 1
             _check(cu.cuStreamWaitValue64(self.raw, self.saddr, k, _GEQ), "cuStreamWaitValue64")
@@ -456,9 +524,11 @@ class CudaStream(_PolledStream):
             ev._stream = self
             ev._error = None
             ev._seq = self._seq
-            if self._seq == 0 or self._counter.value >= self._seq:
+            if self._seq == 0 or self._completed() >= self._seq:
                 ev._done = True
                 return
+            if self._marked < self._seq:
+                self._place_marker()
             ev._done = False
             self._inflight.append(ev)
 
@@ -474,6 +544,9 @@ class CudaStream(_PolledStream):
         super()._block(ev)
 
     def synchronize(self) -> None:
+        tail = self.tail()
+        if tail is not None:
+            self._need(tail)
         err = cu.cuStreamSynchronize(self.raw)[0]
         if err != _SUCCESS:
             self._raise_fault(err, "cuStreamSynchronize")
@@ -507,6 +580,10 @@ class CudaStream(_PolledStream):
     def close(self) -> None:
         watcher.forget(self)
         self.is_closed = True
+        with self._marker_lock:
+            for e in [*self._free_events, *(x[1] for x in self._events or ())]:
+                cu.cuEventDestroy(e)
+            self._free_events.clear()
         if self.owned:
             cu.cuStreamDestroy(self.raw)
         _slab.give_back(self.caddr)
@@ -598,6 +675,11 @@ class CudaBackend:
         if not 0 <= device_id < count:
             raise IndexError(f"CUDA device {device_id} does not exist (there are {count})")
         self.device_id = device_id
+        self.completion = os.environ.get("ASYNCGPU_COMPLETION", "counter").strip().lower()
+        if self.completion not in ("counter", "event"):
+            raise ValueError(
+                f"ASYNCGPU_COMPLETION={self.completion!r}: use 'counter' or 'event'"
+            )
         self.dev = _check(cu.cuDeviceGet(device_id), "cuDeviceGet")
         self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
         self.make_current()

@@ -114,7 +114,7 @@ class _Reactor:
         moved = False
         pending = self.pending
         for stream, heap in list(pending.items()):
-            c = stream._counter.value
+            c = stream._completed()
             if heap[0] <= c:
                 stream._retire()
                 while heap and heap[0] <= c:
@@ -128,7 +128,7 @@ class _Reactor:
         for stream in list(self.pending):
             stream._check_fault()
             heap = self.pending.get(stream)
-            if heap is not None and (heap[0] <= stream._counter.value or stream._fault):
+            if heap is not None and (heap[0] <= stream._completed() or stream._fault):
                 del self.pending[stream]  # finished, or failed by the fault
 
     def _wake_some(self) -> None:
@@ -201,10 +201,10 @@ def polled_future(
         reactor = reactor_for(loop)
         _last = (loop, reactor)
     if not reactor.pending and not getattr(loop, "_ready", True):
-        counter = stream._counter
+        completed = stream._completed
         seq = ev._seq
         deadline = _monotonic() + INLINE_SPIN_S
-        while counter.value < seq:
+        while completed() < seq:
             if _monotonic() > deadline:
                 break
         else:
@@ -289,7 +289,7 @@ class _Watcher:
                 sweep = list(self._sweep) if _monotonic() - swept > 0.01 else ()
             moved = False
             for stream, heap in items:
-                c = stream._counter.value
+                c = stream._completed()
                 if heap and heap[0] <= c:
                     stream._retire()
                     moved = True
@@ -301,6 +301,9 @@ class _Watcher:
             if sweep:
                 swept = _monotonic()
                 for stream in sweep:
+                    tail = stream.tail()
+                    if tail is not None:
+                        stream._need(tail)  # idle streams get a marker, so work retires
                     if stream._retire():
                         with self._cond:
                             self._sweep.discard(stream)

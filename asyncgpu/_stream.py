@@ -17,7 +17,7 @@ Two completion styles exist:
 from __future__ import annotations
 
 import asyncio
-import ctypes
+import sys
 import threading
 import time
 from collections import deque
@@ -35,6 +35,18 @@ if TYPE_CHECKING:
     from ._types import ConstantMemoryMapping
 
 __all__ = ["DeviceStream"]
+
+_getrefcount = sys.getrefcount
+
+
+def _tail_refs(d: deque[Any]) -> int:
+    tail = d[-1]
+    return _getrefcount(tail)
+
+
+# References to a stream's last event that asyncgpu itself holds inside
+# _before_submit (the in-flight deque, the local name, getrefcount's argument).
+_BASE_REFS = _tail_refs(deque([object()]))
 
 
 class _StreamImpl:
@@ -132,25 +144,59 @@ class _StreamImpl:
 
 
 class _PolledStream(_StreamImpl):
-    """A stream whose device writes a completion counter after every operation.
+    """A stream whose completions are learned by polling markers.
 
-    Subclasses set ``_counter`` (a ``ctypes.c_uint64`` over host-mapped memory)
-    and call ``_track`` for every event they submit, in submission order, under
-    ``_submit_lock``.
+    Every operation gets a sequence number. A *marker* placed after operation
+    ``n`` lets the host learn, once the device passes it, that everything up to
+    ``n`` has finished: ``_completed()`` returns the highest such number, and
+    events finish in order as it grows. Markers are lazy: one is placed only
+    when a completion must be known (an await, a query, a callback, a
+    cross-stream wait, a synchronize) or when the user still holds the event of
+    the stream's last operation as the next one is enqueued, and at least every
+    ``MARK_EVERY`` operations so that what finished work kept alive is released.
+    Fire-and-forget work therefore costs no marker.
+
+    Subclasses implement ``_place_marker`` (under ``_submit_lock``: a marker for
+    everything submitted so far) and ``_completed``.
     """
 
-    _counter: ctypes.c_uint64
+    MARK_EVERY = 32
 
     def __init__(self, state: _ContextState, index: int, priority: int) -> None:
         super().__init__(state, index, priority)
-        self._seq = 0
+        self._seq = 0  # last sequence number handed out
+        self._marked = 0  # sequence number covered by the last marker placed
         self._inflight: deque[DeviceEvent] = deque()
         self._submit_lock = threading.Lock()
         self._retire_lock = threading.Lock()
         self._fault: BaseException | None = None
 
-    def _track(self, ev: DeviceEvent) -> None:
-        self._inflight.append(ev)
+    def _completed(self) -> int:
+        """The highest sequence number known to have finished (never blocks)."""
+        raise NotImplementedError
+
+    def _place_marker(self) -> None:
+        raise NotImplementedError
+
+    def _need(self, ev: DeviceEvent) -> None:
+        """Make sure a marker covers ``ev`` (placing one now if none does)."""
+        if ev._seq > self._marked:
+            with self._submit_lock:
+                if ev._seq > self._marked and not ev._done:
+                    self._place_marker()
+
+    def _before_submit(self) -> None:
+        """Called under ``_submit_lock`` before a new operation is submitted: mark
+        the stream's last operation now if the user still holds its event (it may
+        be awaited later, and a marker placed later would also wait for the new
+        operation), or if too many operations went unmarked."""
+        inflight = self._inflight
+        if inflight:
+            tail = inflight[-1]
+            if tail._seq > self._marked and (
+                _getrefcount(tail) > _BASE_REFS or tail._seq - self._marked >= self.MARK_EVERY
+            ):
+                self._place_marker()
 
     def tail(self) -> DeviceEvent | None:
         inflight = self._inflight
@@ -160,10 +206,10 @@ class _PolledStream(_StreamImpl):
             return None
 
     def _retire(self) -> bool:
-        """Finish, in order, every event the counter has passed. Returns True when
+        """Finish, in order, every event the markers have passed. Returns True when
         nothing is left in flight."""
         with self._retire_lock:
-            c = self._counter.value
+            c = self._completed()
             inflight = self._inflight
             done = []
             while inflight and inflight[0]._seq <= c:
@@ -174,7 +220,9 @@ class _PolledStream(_StreamImpl):
         return empty
 
     def _poll(self, ev: DeviceEvent) -> bool:
-        if self._counter.value >= ev._seq:
+        if ev._seq > self._marked:
+            self._need(ev)
+        if self._completed() >= ev._seq:
             self._retire()
             return True
         return ev._done
@@ -182,6 +230,7 @@ class _PolledStream(_StreamImpl):
     def _watch(self, ev: DeviceEvent) -> None:
         from ._engine import watcher
 
+        self._need(ev)
         watcher.watch(self, ev._seq)
 
     def _future(
@@ -189,14 +238,16 @@ class _PolledStream(_StreamImpl):
     ) -> asyncio.Future[Any] | None:
         from ._engine import polled_future
 
+        self._need(ev)
         return polled_future(self, ev, loop)
 
     def _block(self, ev: DeviceEvent) -> None:
-        counter = self._counter
+        self._need(ev)
+        completed = self._completed
         seq = ev._seq
         t0 = last_check = time.perf_counter()
         delay = 0.00002
-        while counter.value < seq and not ev._done:
+        while completed() < seq and not ev._done:
             now = time.perf_counter()
             if now - t0 > 0.00005:
                 time.sleep(delay)
