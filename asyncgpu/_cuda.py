@@ -278,8 +278,12 @@ class CudaStream(_PolledStream):
         else:
             with self._marker_lock:
                 free = self._free_events
-                e = free.pop() if free else _check(
-                    cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
+                e = (
+                    free.pop()
+                    if free
+                    else _check(
+                        cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
+                    )
                 )
                 err = cu.cuEventRecord(e, self.raw)[0]
                 if err != _SUCCESS:
@@ -321,9 +325,12 @@ class CudaStream(_PolledStream):
         watcher sweep this stream later."""
         inflight = self._inflight
         # Counters cost a memory read; driver events a query, so check those rarely.
-        if inflight and (self._events is None or len(inflight) >= 64):
-            if inflight[0]._seq <= self._completed():
-                self._retire()
+        if (
+            inflight
+            and (self._events is None or len(inflight) >= 64)
+            and inflight[0]._seq <= self._completed()
+        ):
+            self._retire()
         watcher.sweep_later(self)
 
     def launch(
@@ -404,8 +411,10 @@ class CudaStream(_PolledStream):
             with self._submit_lock:
                 self._before_submit()
                 if other._events is None:
-                    _check(cu.cuStreamWaitValue64(self.raw, other.caddr, ev._seq, _GEQ),
-                           "cuStreamWaitValue64")
+                    _check(
+                        cu.cuStreamWaitValue64(self.raw, other.caddr, ev._seq, _GEQ),
+                        "cuStreamWaitValue64",
+                    )
                 else:
                     e = other._marker_at_or_after(ev._seq)
                     if e is not None:
@@ -677,9 +686,7 @@ class CudaBackend:
         self.device_id = device_id
         self.completion = os.environ.get("ASYNCGPU_COMPLETION", "counter").strip().lower()
         if self.completion not in ("counter", "event"):
-            raise ValueError(
-                f"ASYNCGPU_COMPLETION={self.completion!r}: use 'counter' or 'event'"
-            )
+            raise ValueError(f"ASYNCGPU_COMPLETION={self.completion!r}: use 'counter' or 'event'")
         self.dev = _check(cu.cuDeviceGet(device_id), "cuDeviceGet")
         self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
         self.make_current()

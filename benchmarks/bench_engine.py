@@ -209,13 +209,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json")
+    p.add_argument(
+        "--completion",
+        choices=("counter", "event"),
+        help="completion markers to measure (default: the package default)",
+    )
     a = p.parse_args(argv)
+    if a.completion:
+        import os
+
+        os.environ["ASYNCGPU_COMPLETION"] = a.completion
     n = 300 if a.quick else 2000
     with ag.DeviceContext(api="cuda") as ctx:
         empty = ctx.compile_function(SRC, "empty")
         spin = ctx.compile_function(SRC, "spin")
         res = {
             "device": ctx.name(),
+            "completion": ctx._state.backend.completion,
             "latency": latency(ctx, empty, n),
             "throughput": throughput(ctx, empty, 1000 if not a.quick else 200, 10, 8),
             "idle": idle(ctx, spin, 200.0),
