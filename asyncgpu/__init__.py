@@ -19,6 +19,7 @@ from ._errors import (
 )
 from ._event import DeviceEvent
 from ._function import DeviceExternalFunction, DeviceFunction, Kernel, ThreadBlock, kernel
+from ._interop import NumbaKernel, from_cuda_array_interface, from_dlpack, load_numba_kernel
 from ._stream import DeviceStream
 from ._trace import Trace, TraceEdge, TraceNode
 from ._types import (
@@ -57,6 +58,7 @@ __all__ = [
     "LaunchAttribute",
     "LaunchAttributeID",
     "NoDeviceError",
+    "NumbaKernel",
     "StreamPriorityRange",
     "ThreadBlock",
     "Trace",
@@ -65,5 +67,8 @@ __all__ = [
     "UnsupportedError",
     "__version__",
     "default_api",
+    "from_cuda_array_interface",
+    "from_dlpack",
     "kernel",
+    "load_numba_kernel",
 ]

@@ -262,6 +262,28 @@ class DeviceBuffer(_BufferBase):
             "stream": self._owner.handle() or None,
         }
 
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """DLPack export, no copy: ``torch.from_dlpack(buf)``, ``cupy.from_dlpack(buf)``
+        (CUDA), ``np.from_dlpack(buf)`` (CPU device). The consumer's ``stream`` waits
+        on the device for the owning stream's work so far; on the CPU device the call
+        blocks until that work is done. The capsule keeps the buffer alive."""
+        from ._interop import export_dlpack
+
+        return export_dlpack(self, stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(2, device_id)`` (kDLCUDA) on CUDA, ``(1, 0)`` (kDLCPU) on the CPU device."""
+        from ._interop import dlpack_device
+
+        return dlpack_device(self)
+
 
 class HostBuffer(_BufferBase):
     """Page-locked host memory the device can reach (plain memory on the CPU
@@ -284,11 +306,52 @@ class HostBuffer(_BufferBase):
         self.as_numpy()[index] = value
 
     def __buffer__(self, flags: int) -> memoryview:
-        return memoryview(self.as_numpy())  # type: ignore[arg-type]
+        """The buffer protocol (Python 3.12+: ``memoryview(h)``, ``bytes(h)``); the
+        view keeps the buffer alive."""
+        from ._interop import host_array
+
+        self._check()
+        return memoryview(host_array(self))  # type: ignore[arg-type]
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        """NumPy's array interface: ``np.asarray(h)`` is a view (no copy) whose base
+        is the buffer, so the buffer lives as long as the view."""
+        from ._interop import array_interface
+
+        self._check()
+        return array_interface(self)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        a = self.as_numpy()
-        return a if dtype is None else a.astype(dtype)
+        from ._interop import host_array
+
+        self._check()
+        a = host_array(self)
+        if dtype is not None and np.dtype(dtype) != a.dtype:
+            if copy is False:
+                raise ValueError(f"viewing {a.dtype} as {np.dtype(dtype)} needs a copy")
+            return a.astype(dtype)
+        return a.copy() if copy else a
+
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """DLPack export as host memory (kDLCPU), no copy: ``np.from_dlpack(h)``,
+        ``torch.from_dlpack(h)``. Blocks until the owning stream has finished the
+        work enqueued so far (``stream=-1``: does not). The capsule keeps the buffer
+        alive."""
+        from ._interop import export_dlpack
+
+        return export_dlpack(self, stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(1, 0)``: kDLCPU (page-locked host memory on CUDA)."""
+        return (1, 0)
 
     def map_to_host(self) -> _HostMapping:
         """Host buffers are host memory already: yields the buffer itself once the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import numbers
 import os
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -554,6 +555,8 @@ class DeviceContext:
             s = self._operand(src, False)
             if d._dtype != s._dtype:
                 raise TypeError(f"dtype mismatch: copying {s._dtype} into {d._dtype}")
+            if dtype is not None and as_dtype(dtype) != d._dtype:
+                raise TypeError(f"dtype={as_dtype(dtype)} does not match the operands' {d._dtype}")
             d_buf = isinstance(d, _BufferBase)
             s_buf = isinstance(s, _BufferBase)
             if d_buf and s_buf:
@@ -613,9 +616,16 @@ class DeviceContext:
             return obj
         if isinstance(obj, np.ndarray):
             return _Span(obj, writable)
+        t = type(obj)
+        if hasattr(t, "__cuda_array_interface__") or hasattr(t, "__dlpack__"):
+            # Another library's array (CuPy, PyTorch, numba, JAX...): wrapped in place.
+            from . import _interop
+
+            return _interop.operand(self, obj, writable)
         raise TypeError(
-            "a copy operand must be a DeviceBuffer, a HostBuffer, a NumPy array or (with a size) "
-            f"an int address, not {type(obj).__name__}"
+            "a copy operand must be a DeviceBuffer, a HostBuffer, a NumPy array, an array "
+            "with __cuda_array_interface__ or __dlpack__, or (with a size) an int address, "
+            f"not {type(obj).__name__}"
         )
 
     def _pointer_operands(
@@ -643,6 +653,8 @@ class DeviceContext:
             p = int(p)
             if p == 0 and nbytes:
                 raise ValueError("null address")
+            if not 0 <= p < 1 << 64:
+                raise ValueError(f"{p} is not an address (outside 0..2**64-1)")
             return _Pointer(p, dt, n, backend.pointer_host_view(p, nbytes))
 
         d = ptr(dst) if d_ptr else buf
@@ -736,14 +748,23 @@ class DeviceContext:
             self._check_open()
         if type(f) is not DeviceFunction or f._ctx._state is not state:
             f = self._compiled(f, func_attribute)
-        key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes, *attributes)
-        try:
-            cfg = f._cfgs[key]
-        except KeyError:
-            cfg = f._cfgs[key] = self._launch_config(
-                f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
-            )
-        except TypeError:  # an unhashable dimension: let validation say what is wrong
+        # Geometry is validated once per shape and cached on the function. Only
+        # integer geometry is looked up: 256.0 or True equal 256 as dict keys, and
+        # must not pass for it (validation raises TypeError for them).
+        if (
+            (type(grid_dim) is int or _int_dims(grid_dim))
+            and (type(block_dim) is int or _int_dims(block_dim))
+            and (cluster_dim is None or _int_dims(cluster_dim))
+            and (shared_mem_bytes is None or type(shared_mem_bytes) is int)
+        ):
+            key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes, *attributes)
+            try:
+                cfg = f._cfgs[key]
+            except KeyError:
+                cfg = f._cfgs[key] = self._launch_config(
+                    f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
+                )
+        else:
             cfg = self._launch_config(
                 f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
             )
@@ -795,7 +816,14 @@ class DeviceContext:
         ):
             if v > lim(attr):
                 raise ValueError(f"grid_dim.{axis}={v} exceeds the device's {lim(attr)}")
-        shmem = 0 if shared_mem_bytes is None else int(shared_mem_bytes)
+        if shared_mem_bytes is None:
+            shmem = 0
+        elif isinstance(shared_mem_bytes, (int, np.integer)) and not isinstance(
+            shared_mem_bytes, bool
+        ):
+            shmem = int(shared_mem_bytes)
+        else:
+            raise TypeError(f"shared_mem_bytes must be an int, not {shared_mem_bytes!r}")
         if shmem < 0:
             raise ValueError(f"shared_mem_bytes must not be negative, got {shmem}")
         optin = lim(DeviceAttribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
@@ -928,6 +956,17 @@ class _Wait:
         self.ev._raise_fault()
 
 
+def _int_dims(v: Any) -> bool:
+    """True for a launch dimension made only of integers (an int, a NumPy integer,
+    or a tuple or Dim of them): one whose validity its value decides."""
+    if isinstance(v, tuple):
+        for c in v:
+            if type(c) is not int and not isinstance(c, np.integer):
+                return False
+        return True
+    return isinstance(v, np.integer)
+
+
 def _completed() -> DeviceEvent:
     ev = DeviceEvent(None)
     ev._done = True
@@ -935,22 +974,38 @@ def _completed() -> DeviceEvent:
 
 
 def _scalar_for(dt: np.dtype[Any], val: Any) -> np.generic:
+    """The memset value ``val`` as one element of ``dt``: a NumPy scalar whose bytes
+    (as the backends write them) are that element. ``ValueError`` unless ``val`` is
+    a single number that fits ``dt`` (no silent truncation, overflow or dropped
+    imaginary part)."""
     try:
+        t = type(val)
+        if t is not int and t is not float:
+            if isinstance(val, np.ndarray) and val.ndim == 0:
+                val = val[()]
+            if isinstance(val, (str, bytes)) or not isinstance(val, (numbers.Number, np.generic)):
+                raise TypeError("a memset value is a single number")
+            if dt.kind != "c" and isinstance(val, (complex, np.complexfloating)):
+                raise TypeError("a complex value only fits a complex dtype")
+        out: np.generic
         if dt.kind in "iu":
             v = int(val)
             info = np.iinfo(dt)
             if not info.min <= v <= info.max or v != val:
                 raise ValueError(f"{val!r} does not fit {dt}")
-            return dt.type(v)
-        if dt.kind == "b":
-            return dt.type(bool(val))
-        if val is None or isinstance(val, (str, bytes)):
-            raise TypeError("not a number")
-        with np.errstate(over="raise"):  # 1e300 does not fit float32: no silent inf
-            out: np.generic = np.array(val, dtype=dt)[()]  # type: ignore[assignment]
-            return out
+            out = dt.type(v)
+        elif dt.kind == "b":
+            out = dt.type(bool(val))
+        else:
+            with np.errstate(over="raise"):  # 1e300 does not fit float32: no silent inf
+                out = np.array(val, dtype=dt)[()]  # type: ignore[assignment]
     except (TypeError, OverflowError, FloatingPointError) as e:
         raise ValueError(f"{val!r} cannot be stored as {dt}: {e}") from None
+    if not dt.isnative:
+        # NumPy scalars are native-endian and the backends write a scalar's bytes as
+        # they are: swap them, so a big-endian buffer gets big-endian elements.
+        out = out.byteswap()
+    return out
 
 
 _live_states: set[_ContextState] = set()

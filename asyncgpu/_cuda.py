@@ -265,6 +265,8 @@ class CudaStream(_PolledStream):
         seq = self._seq = self._seq + 1
         ev = DeviceEvent(self, seq, keep)
         self._inflight.append(ev)
+        if self._eager:
+            self._place_marker()
         return ev
 
     # -- markers: a counter the GPU writes, or driver events -----------------------------
@@ -331,6 +333,7 @@ class CudaStream(_PolledStream):
             and inflight[0]._seq <= self._completed()
         ):
             self._retire()
+        self._touched = True
         watcher.sweep_later(self)
 
     def launch(
@@ -443,6 +446,11 @@ class CudaStream(_PolledStream):
         with self._submit_lock:
             self._before_submit()
             prev = self.tail() if after_prev else None
+            if prev is not None and prev._seq > self._marked:
+                # The host work starts when ``prev`` is seen to finish, so ``prev``
+                # needs a marker *before* the device waits for the host work: one
+                # placed later would wait for that very work (a deadlock).
+                self._place_marker()
             k = self._host_ops = self._host_ops + 1
             _check(cu.cuStreamWaitValue64(self.raw, self.saddr, k, _GEQ), "cuStreamWaitValue64")
             ev = self._mark(keep)

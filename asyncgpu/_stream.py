@@ -166,6 +166,9 @@ class _PolledStream(_StreamImpl):
         super().__init__(state, index, priority)
         self._seq = 0  # last sequence number handed out
         self._marked = 0  # sequence number covered by the last marker placed
+        self._needed = 0  # highest sequence number whose completion was asked for
+        self._eager = False  # place a marker after every operation
+        self._touched = False  # submitted to since the watcher's last sweep
         self._inflight: deque[DeviceEvent] = deque()
         self._submit_lock = threading.Lock()
         self._retire_lock = threading.Lock()
@@ -179,7 +182,15 @@ class _PolledStream(_StreamImpl):
         raise NotImplementedError
 
     def _need(self, ev: DeviceEvent) -> None:
-        """Make sure a marker covers ``ev`` (placing one now if none does)."""
+        """Make sure a marker covers ``ev`` (placing one now if none does).
+
+        A stream whose completions are being waited for switches to eager
+        markers (one right after each operation, so the device writes it as soon
+        as the work ends); it switches back once its operations' events go
+        unused again (see ``_before_submit``)."""
+        if ev._seq > self._needed:
+            self._needed = ev._seq
+        self._eager = True
         if ev._seq > self._marked:
             with self._submit_lock:
                 if ev._seq > self._marked and not ev._done:
@@ -193,10 +204,11 @@ class _PolledStream(_StreamImpl):
         inflight = self._inflight
         if inflight:
             tail = inflight[-1]
-            if tail._seq > self._marked and (
-                _getrefcount(tail) > _BASE_REFS or tail._seq - self._marked >= self.MARK_EVERY
-            ):
-                self._place_marker()
+            if tail._seq > self._marked:
+                if _getrefcount(tail) > _BASE_REFS or tail._seq - self._marked >= self.MARK_EVERY:
+                    self._place_marker()
+            elif self._eager and tail._seq > self._needed and _getrefcount(tail) <= _BASE_REFS:
+                self._eager = False  # nobody awaited or kept the last event: go lazy
 
     def tail(self) -> DeviceEvent | None:
         inflight = self._inflight

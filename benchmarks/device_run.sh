@@ -31,8 +31,8 @@ export PYTHONUNBUFFERED=1 ASYNCGPU_CACHE_DIR=/tmp/asyncgpu-kernels
 cat "$OUT/env.txt"
 rc=0
 if [ "$MODE" != bench ]; then
-  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests \
-    --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rfEs -p no:cacheprovider -p timeout \
+    --timeout=30 tests --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
   rc=${PIPESTATUS[0]}
   python3 - "$OUT/tests.xml" "$OUT/tests.json" <<'PY'
 import json, sys, xml.etree.ElementTree as ET, datetime, subprocess
@@ -62,10 +62,13 @@ json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "de
 print("summary:", summary)
 PY
   rm -f "$OUT/tests.xml"
+  grep -E "passed|failed" "$OUT/tests.log" | tail -3
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
 fi
 if [ "$MODE" != tests ]; then
   if [ -f benchmarks/run.py ]; then
-    timeout 420 python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+    tail -45 "$OUT/bench.log"
   else
     timeout 300 python3 benchmarks/bench_engine.py $QUICK --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     timeout 200 python3 benchmarks/peers_gpu.py --quick --json "$OUT/peers.json" 2>&1 | tail -60 | tee "$OUT/peers.log"
