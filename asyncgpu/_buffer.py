@@ -271,9 +271,10 @@ class DeviceBuffer(_BufferBase):
         copy: bool | None = None,
     ) -> Any:
         """DLPack export, no copy: ``torch.from_dlpack(buf)``, ``cupy.from_dlpack(buf)``
-        (CUDA), ``np.from_dlpack(buf)`` (CPU device). The consumer's ``stream`` waits
-        on the device for the owning stream's work so far; on the CPU device the call
-        blocks until that work is done. The capsule keeps the buffer alive."""
+        (CUDA), ``np.from_dlpack(buf)`` (CPU device). On CUDA the consumer's
+        ``stream`` waits on the device for the owning stream's work so far; on the
+        CPU device the memory is host memory: await the writes first. The capsule
+        keeps the buffer alive."""
         from ._interop import export_dlpack
 
         return export_dlpack(self, stream, max_version, dl_device, copy)
@@ -342,9 +343,8 @@ class HostBuffer(_BufferBase):
         copy: bool | None = None,
     ) -> Any:
         """DLPack export as host memory (kDLCPU), no copy: ``np.from_dlpack(h)``,
-        ``torch.from_dlpack(h)``. Blocks until the owning stream has finished the
-        work enqueued so far (``stream=-1``: does not). The capsule keeps the buffer
-        alive."""
+        ``torch.from_dlpack(h)``. Like ``as_numpy()``, it does not wait: await the
+        operations that write the buffer first. The capsule keeps the buffer alive."""
         from ._interop import export_dlpack
 
         return export_dlpack(self, stream, max_version, dl_device, copy)

@@ -960,7 +960,7 @@ def _int_dims(v: Any) -> bool:
     """True for a launch dimension made only of integers (an int, a NumPy integer,
     or a tuple or Dim of them): one whose validity its value decides."""
     if isinstance(v, tuple):
-        for c in v:
+        for c in v:  # noqa: SIM110 (a loop is quicker than all() on this path)
             if type(c) is not int and not isinstance(c, np.integer):
                 return False
         return True

@@ -100,6 +100,11 @@ _write_value64 = cu.cuStreamWriteValue64
 
 def _init_driver() -> int:
     """``cuInit`` + ``cuDeviceGetCount``; raises ``NoDeviceError`` with the reason."""
+    # Eager module loading: with lazy loading the driver loads a kernel at its
+    # first use and may wait for the device to go idle to do it, which deadlocks
+    # while a stream is held back for host work (a CPU function, a gate). Seen on
+    # the H200 on 2026-12-02. A process that set CUDA_MODULE_LOADING keeps it.
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
         err = cu.cuInit(0)[0]
     except RuntimeError as e:  # libcuda.so missing

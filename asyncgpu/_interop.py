@@ -20,13 +20,14 @@ Exporting (``DeviceBuffer.__dlpack__`` / ``HostBuffer.__dlpack__``)
     the memory is not reused under work the consumer still has queued.
 
     Host memory (``HostBuffer``, and ``DeviceBuffer`` of the CPU device) is
-    exported as ``(kDLCPU, 0)``; there is no stream to order on, so
-    ``__dlpack__`` blocks until the owning stream has finished the work
-    enqueued so far (await it first and the export costs nothing), unless
-    ``stream=-1``.
+    exported as ``(kDLCPU, 0)``. There is no stream to order on: as with
+    ``HostBuffer.as_numpy()``, the consumer touches the memory directly, so await
+    the operations that write it first (or consume it inside a CPU function
+    enqueued after them). Blocking here instead would deadlock a CPU function
+    that exports a buffer its own stream owns.
 
-Importing (``from_dlpack``, ``from_cuda_array_interface``, and every copy
-operand or kernel argument that is another library's array)
+Importing (``from_dlpack``, ``from_cuda_array_interface``, and every
+``enqueue_copy`` operand that is another library's array)
     The memory is wrapped, never copied, in a ``DeviceBuffer`` (device memory,
     or host memory on the CPU device) or a ``HostBuffer`` (page-locked host
     memory on a CUDA context) that keeps the foreign owner alive and frees
@@ -41,7 +42,6 @@ import math
 import re
 import sys
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -288,29 +288,6 @@ def _default_context(api: str, device_id: int) -> DeviceContext:
         return ctx
 
 
-_foreign: weakref.WeakKeyDictionary[_ContextState, dict[int, _StreamImpl]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _stream_for_handle(ctx: DeviceContext, handle: int) -> _StreamImpl:
-    """The asyncgpu stream for a foreign ``CUstream``: one of the context's own if
-    the handle is one of them, else a wrapper made once per handle and context
-    (``create_external_stream``)."""
-    state = ctx._state
-    with state.lock:
-        known = _foreign.get(state)
-        if known is None:
-            known = _foreign[state] = {}
-        impl = known.get(handle)
-        if impl is None:
-            impl = next((s for s in state.all_streams() if s.handle() == handle), None)
-            if impl is None:
-                impl = ctx.create_external_stream(handle)._impl
-            known[handle] = impl
-    return impl
-
-
 _DONE = DeviceEvent(None)
 _DONE._done = True
 
@@ -347,14 +324,43 @@ def producer_stream(obj: Any, cai: dict[str, Any] | None = None) -> int | None:
     return None
 
 
-def _after_producer(ctx: DeviceContext, impl: _StreamImpl, producer: int | None) -> None:
+def _after_producer(impl: _StreamImpl, producer: int | None) -> bool:
     """Make ``impl`` wait, on the device, for what the producer's stream has
-    submitted so far."""
+    submitted so far. False when there is nothing to order (unknown producer, or
+    ``impl`` itself)."""
     if producer is None or producer == impl.handle():
-        return
-    w = _stream_for_handle(ctx, producer)
-    if w is not impl:
-        impl.wait_event(_fence(w))
+        return False
+    _stream_waits_for_stream(impl.state, impl.handle(), producer)
+    return True
+
+
+class _ForeignOwner:
+    """The owning "stream" of a copy operand over another library's memory whose
+    stream is known. ``DeviceContext._copy`` orders a copy with the owners of its
+    operands: it waits for their ``tail()`` (None here: ``operand`` has already made
+    the copy's stream wait for the producer's) and then calls ``wait_event(copy)``,
+    which makes the producer's stream wait for the copy, so the producer's later
+    work sees it. Only driver calls: no asyncgpu state is kept for foreign streams,
+    so one destroyed later leaves nothing behind."""
+
+    __slots__ = ("_handle", "label", "state")
+
+    def __init__(self, state: _ContextState, handle: int) -> None:
+        self.state = state
+        self._handle = handle
+        self.label = f"foreign stream 0x{handle:x}"
+
+    def tail(self) -> None:
+        return None
+
+    def handle(self) -> int:
+        return self._handle
+
+    def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
+        stream = ev._stream
+        if stream is not None and not ev._done:
+            _stream_waits_for_stream(self.state, self._handle, stream.handle())
+        return ev
 
 
 def _cuda_driver() -> Any:
@@ -386,7 +392,7 @@ def _pointer_device(ptr: int) -> int | None:
     """The device ordinal of a CUDA address (None when the driver cannot say)."""
     cu = _cuda_driver()
     err, dev = cu.cuPointerGetAttribute(
-        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr
+        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, cu.CUdeviceptr(ptr)
     )
     return int(dev) if err == cu.CUresult.CUDA_SUCCESS else None
 
@@ -395,7 +401,7 @@ def _pinned(ptr: int) -> bool:
     """True if a host address is page-locked memory CUDA knows (pinned or registered)."""
     cu = _cuda_driver()
     err, kind = cu.cuPointerGetAttribute(
-        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr
+        cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, cu.CUdeviceptr(ptr)
     )
     return bool(
         err == cu.CUresult.CUDA_SUCCESS and int(kind) == int(cu.CUmemorytype.CU_MEMORYTYPE_HOST)
@@ -510,10 +516,11 @@ def from_dlpack(obj: Any, ctx: DeviceContext | None = None) -> DeviceBuffer | Ho
 
     Streams: the buffer is owned by ``ctx``'s current stream. That stream is passed
     to ``obj.__dlpack__(stream=...)``, so the producer orders it after its own
-    pending work on the array, as DLPack requires; work either library enqueues
-    later is not ordered by the wrap (use ``create_external_stream`` and
-    ``enqueue_wait_for`` for that). Without ``ctx``, a process-wide context of the
-    array's device is used.
+    pending work on the array, as DLPack requires. Work either library enqueues
+    later is not ordered by the wrap: pass the array itself to ``enqueue_copy``
+    (which orders on the producer's stream where it is known), or order the streams
+    explicitly. Without ``ctx``, a process-wide context of the array's device is
+    used.
     """
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{type(obj).__name__} does not implement __dlpack__")
@@ -560,7 +567,8 @@ def from_cuda_array_interface(obj: Any, ctx: DeviceContext | None = None) -> Dev
     ctx = _resolve_ctx(ctx, "cuda", dev or 0)
     _check_cuda_ctx(ctx, dev, type(obj).__name__)
     impl = ctx._impl
-    _after_producer(ctx, impl, producer_stream(obj, cai))
+    if _after_producer(impl, producer_stream(obj, cai)):
+        _fence(impl)  # so that copies on other streams order after the wait too
     return _wrap(ctx, DeviceBuffer, _ForeignAlloc(ptr, obj, None, readonly), dtype, n, impl)  # type: ignore[no-any-return]
 
 
@@ -569,12 +577,12 @@ def operand(ctx: DeviceContext, obj: Any, writable: bool) -> Any:
 
     CUDA memory (``__cuda_array_interface__``, or ``__dlpack__`` on a CUDA device)
     becomes a buffer over the same memory. When the producer's stream is known (a
-    PyTorch tensor's current stream, a CuPy array's interface stream), the buffer
-    is owned by that stream (wrapped once per context), marked at its current end:
-    the copy then waits for the producer's work so far, and the producer's stream
-    waits for the copy before its later work, as for any buffer of another
-    stream. Otherwise the copy's stream is the owner, and a DLPack producer is
-    asked to order it after its work (``__dlpack__(stream=...)``).
+    PyTorch tensor: its device's current stream; otherwise the interface's
+    ``stream``, e.g. a CuPy array's), the copy waits for the producer's work so far
+    and the producer's stream waits for the copy before its later work, as for a
+    buffer owned by another stream (``_ForeignOwner``). Otherwise a DLPack
+    producer is asked to order the copy's stream after its work
+    (``__dlpack__(stream=...)``).
 
     Host memory through DLPack becomes a NumPy array (``np.from_dlpack``) used as
     a host span.
@@ -589,11 +597,12 @@ def operand(ctx: DeviceContext, obj: Any, writable: bool) -> Any:
         ptr, dtype, n, readonly = _parse_cai(cai)
         if writable and readonly:
             raise ValueError(f"the destination {type(obj).__name__} is read-only")
-        owner = ctx._impl
+        impl = ctx._impl
         producer = producer_stream(obj, cai)
-        if producer is not None and producer != owner.handle():
-            owner = _stream_for_handle(ctx, producer)
-            _fence(owner)
+        owner: Any = impl
+        if _after_producer(impl, producer):
+            assert producer is not None
+            owner = _ForeignOwner(ctx._state, producer)
         return _wrap(ctx, DeviceBuffer, _ForeignAlloc(ptr, obj, None, readonly), dtype, n, owner)
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{type(obj).__name__} is not an array asyncgpu can copy")
@@ -603,42 +612,37 @@ def operand(ctx: DeviceContext, obj: Any, writable: bool) -> Any:
     buf = from_dlpack(obj, ctx)
     if writable and buf._alloc.readonly:
         raise ValueError(f"the destination {type(obj).__name__} is read-only")
-    producer = producer_stream(obj)
-    if producer is not None and producer != buf._owner.handle():
-        owner = _stream_for_handle(ctx, producer)
-        _fence(owner)
-        buf._owner = owner
     return buf
 
 
 # -- foreign kernel arguments (used by the CUDA backend's launch) --------------------------
 
 
-def launch_streams(ctx: DeviceContext, impl: _StreamImpl, args: Sequence[Any]) -> list[Any]:
-    """For a launch on ``impl``: the wrapped producer streams of the foreign arrays
-    among ``args`` (objects with ``__cuda_array_interface__``, PyTorch tensors),
-    other than ``impl`` itself. ``impl`` is made to wait for each one's work so far;
-    after the launch, ``launch_done`` makes each wait for the kernel."""
-    out: list[Any] = []
+def launch_streams(impl: _StreamImpl, args: Sequence[Any]) -> list[int]:
+    """Before a launch on ``impl``: for the foreign arrays among ``args`` (objects
+    with ``__cuda_array_interface__``, PyTorch tensors) whose producer stream is
+    known and is not ``impl``, make ``impl`` wait, on the device, for that
+    stream's work so far. Returns those streams' handles, for ``launch_done``.
+    Driver calls only (safe under ``impl``'s submit lock)."""
+    out: list[int] = []
     for a in args:
         if isinstance(a, (_BufferBase, np.generic)):
             continue
         cai = _cai_of(a) if hasattr(type(a), "__cuda_array_interface__") else None
         producer = producer_stream(a, cai)
-        if producer is None or producer == impl.handle():
+        if producer is None or producer in out:
             continue
-        w = _stream_for_handle(ctx, producer)
-        if w is impl or w in out:
-            continue
-        impl.wait_event(_fence(w))
-        out.append(w)
+        if _after_producer(impl, producer):
+            out.append(producer)
     return out
 
 
-def launch_done(streams: Sequence[Any], ev: DeviceEvent) -> None:
-    """After a launch: the producer streams wait for the kernel (``ev``)."""
-    for w in streams:
-        w.wait_event(ev)
+def launch_done(impl: _StreamImpl, streams: Sequence[int]) -> None:
+    """Right after a launch on ``impl``: the producer streams returned by
+    ``launch_streams`` wait, on the device, for the kernel (and everything else
+    submitted to ``impl`` so far)."""
+    for h in streams:
+        _stream_waits_for_stream(impl.state, h, impl.handle())
 
 
 # -- exporting ---------------------------------------------------------------------------
@@ -698,14 +702,6 @@ def array_interface(buf: _BufferBase) -> dict[str, Any]:
     }
 
 
-def _wait_owner(buf: _BufferBase) -> None:
-    tail = buf._owner.tail()
-    if tail is not None and not tail.query():
-        tail._wait_blocking()
-    if tail is not None:
-        tail._raise_fault()
-
-
 def export_dlpack(
     buf: _BufferBase,
     stream: Any = None,
@@ -738,11 +734,8 @@ def export_dlpack(
             owner = buf._owner.handle()
             if consumer != owner:
                 _stream_waits_for_stream(buf._ctx._state, consumer, owner)
-    else:
-        if s is not None and s != -1:
-            raise BufferError("host memory is exported without a stream: pass stream=None")
-        if s is None:
-            _wait_owner(buf)
+    elif s is not None and s != -1:
+        raise BufferError("host memory is exported without a stream: pass stream=None")
     arr = np.asarray(_Export(buf, consumer))
     versioned = max_version is not None and int(max_version[0]) >= 1
     if versioned:
@@ -895,7 +888,7 @@ def _numba_arg(ty: Any, value: Any, out: list[Any]) -> None:
 def load_numba_kernel(ctx: DeviceContext, kernel: Any, signature: Any) -> NumbaKernel:
     """Compile a numba-cuda ``@cuda.jit`` kernel for ``signature`` (a numba signature
     string such as ``"void(float32, float32[::1])"``, or a tuple of numba types) and
-    load it into ``ctx`` (``load_function`` with numba's PTX).
+    load it into ``ctx`` (through ``load_function``).
 
     numba compiles for the device's compute capability and links the kernel (with
     any ``link=`` files) into a cubin, which is loaded; the PTX is the fallback.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import gc
 import json
@@ -191,10 +192,8 @@ class Soak:
                 if not task.done():
                     task.cancel()
                     self.cancelled += 1
-                try:
+                with contextlib.suppress(asyncio.CancelledError):
                     await task
-                except asyncio.CancelledError:
-                    pass
             else:
                 try:
                     await asyncio.wait_for(_await(ev), 1e-6)
@@ -232,7 +231,10 @@ class Soak:
             buf = view.enqueue_create_buffer(np.int32, n)
             await w(view.enqueue_copy(buf, data), rnd)
             grid = (n + BLOCK - 1) // BLOCK
-            await w(view.enqueue_function(self.fn, buf, np.int32(n), grid_dim=grid, block_dim=BLOCK), rnd)
+            await w(
+                view.enqueue_function(self.fn, buf, np.int32(n), grid_dim=grid, block_dim=BLOCK),
+                rnd,
+            )
             await w(view.enqueue_copy(out, buf), rnd)
             want = data + 1
         elif kind == "cpu":
@@ -289,9 +291,7 @@ def _triple_plus_one(x: int) -> int:
 # -- the run --------------------------------------------------------------------------------
 
 
-def flatness(
-    samples: list[dict[str, Any]], tasks: int, streams: int
-) -> dict[str, dict[str, Any]]:
+def flatness(samples: list[dict[str, Any]], tasks: int, streams: int) -> dict[str, dict[str, Any]]:
     """Per metric: the 10% and final samples, the peak in between, the bound and
     whether the final sample is within it."""
     if len(samples) < 2:

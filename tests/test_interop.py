@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import threading
 import weakref
 
 import numpy as np
@@ -100,9 +99,9 @@ def test_np_from_dlpack_host_buffer_is_a_view_that_keeps_it_alive(cpu) -> None:
 
 def test_np_from_dlpack_cpu_device_buffer(cpu) -> None:
     d = cpu.enqueue_create_buffer(np.int64, 5)
-    cpu.enqueue_copy(d, np.arange(5, dtype=np.int64) * 3)
+    cpu.enqueue_copy(d, np.arange(5, dtype=np.int64) * 3).synchronize()
     assert d.__dlpack_device__() == (1, 0)
-    b = np.from_dlpack(d)  # waits for the copy
+    b = np.from_dlpack(d)
     assert b.ctypes.data == d.unsafe_ptr()
     np.testing.assert_array_equal(b, [0, 3, 6, 9, 12])
     ref = weakref.ref(d)
@@ -114,24 +113,18 @@ def test_np_from_dlpack_cpu_device_buffer(cpu) -> None:
     assert ref() is None
 
 
-def test_host_export_waits_for_the_owning_stream(cpu) -> None:
+def test_host_export_in_a_cpu_function_of_the_owning_stream(cpu) -> None:
+    """Host exports do not wait, so a CPU function can export a buffer its own
+    stream owns (stream order already puts it after the writes)."""
     d = cpu.enqueue_create_buffer(np.int32, 4)
-    cpu.enqueue_memset(d, 0)
-    gate = Gate()
-    cpu.enqueue_cpu_function(gate)
     cpu.enqueue_memset(d, 7)
-    threading.Timer(0.2, gate.open).start()
-    a = np.from_dlpack(d)  # blocks until the gate opened and the memset ran
-    np.testing.assert_array_equal(a, [7, 7, 7, 7])
-
-
-def test_host_export_stream_minus_one_does_not_wait(cpu) -> None:
-    d = cpu.enqueue_create_buffer(np.int32, 4)
+    total = cpu.enqueue_cpu_function(lambda: int(np.from_dlpack(d).sum())).synchronize()
+    assert total == 28
     gate = Gate()
     try:
         cpu.enqueue_cpu_function(gate)
-        cap = d.__dlpack__(stream=-1)
-        assert "dltensor" in repr(cap)
+        assert np.from_dlpack(d).ctypes.data == d.unsafe_ptr()  # returns at once
+        assert d.__dlpack__(stream=-1) is not None
     finally:
         gate.open()
     cpu.synchronize()
@@ -160,7 +153,7 @@ def test_unconsumed_capsule_releases_the_buffer(cpu) -> None:
 
 def test_sub_buffer_export(cpu) -> None:
     d = cpu.enqueue_create_buffer(np.int32, 10)
-    cpu.enqueue_copy(d, np.arange(10, dtype=np.int32))
+    cpu.enqueue_copy(d, np.arange(10, dtype=np.int32)).synchronize()
     sub = d.create_sub_buffer(np.int32, 4, 3)
     np.testing.assert_array_equal(np.from_dlpack(sub), [4, 5, 6])
 
@@ -172,7 +165,7 @@ def test_sub_buffer_export(cpu) -> None:
 def test_export_dtypes_round_trip(cpu, dtype) -> None:
     data = (np.arange(6) % 2).astype(dtype)
     d = cpu.enqueue_create_buffer(dtype, 6)
-    cpu.enqueue_copy(d, data)
+    cpu.enqueue_copy(d, data).synchronize()
     a = np.from_dlpack(d)
     assert a.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(a, data)
@@ -346,6 +339,63 @@ def test_parse_cuda_array_interface() -> None:
     assert _interop.producer_stream(object(), {**base, "stream": 0}) == 1
     assert _interop.producer_stream(object(), {**base, "stream": 77}) == 77
     assert _interop.producer_stream(object(), base) is None
+
+
+class HostCai:
+    """A CUDA Array Interface over host memory, with a producer stream: stands in
+    for a CuPy array in the stubbed tests below."""
+
+    def __init__(self, a: np.ndarray, stream: int | None) -> None:
+        self.a = a
+        self.cai = {
+            "shape": a.shape,
+            "typestr": a.dtype.str,
+            "data": (a.ctypes.data, False),
+            "version": 3,
+            "strides": None,
+            "stream": stream,
+        }
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self.cai
+
+
+def test_copy_ordering_with_a_known_producer_stream(cpu, monkeypatch) -> None:
+    """The CUDA copy-operand path with the driver stubbed (the CPU device copies
+    the memory): the copy's stream waits for the producer's stream first, and the
+    producer's stream waits for the copy after."""
+    calls: list[tuple[int, int]] = []
+    with monkeypatch.context() as m:
+        m.setattr(cpu._state, "api", "cuda")
+        m.setattr(_interop, "_stream_waits_for_stream", lambda st, w, p: calls.append((w, p)))
+        m.setattr(_interop, "_pointer_device", lambda ptr: 0)
+        ours = cpu._impl.handle()
+        src = HostCai(np.arange(8, dtype=np.float32), stream=77)
+        out = np.zeros(8, np.float32)
+        cpu.enqueue_copy(out, src).synchronize()
+        np.testing.assert_array_equal(out, np.arange(8))
+        assert calls == [(ours, 77), (77, ours)]
+        calls.clear()
+        dst = HostCai(np.zeros(8, np.float32), stream=None)  # unknown stream: no ordering
+        cpu.enqueue_copy(dst, out).synchronize()
+        np.testing.assert_array_equal(dst.a, np.arange(8))
+        assert calls == []
+        ro = HostCai(np.zeros(8, np.float32), stream=None)
+        ro.cai["data"] = (ro.a.ctypes.data, True)
+        with pytest.raises(ValueError, match="read-only"):
+            cpu.enqueue_copy(ro, out)
+        # a long-lived wrap: ordered once, at wrap time
+        buf = ag.from_cuda_array_interface(HostCai(np.ones(8, np.float32), stream=5), cpu)
+        assert calls == [(ours, 5)] and len(buf) == 8 and buf.dtype == np.float32
+        calls.clear()
+        # kernel arguments (the hooks the CUDA backend's launch calls)
+        args = (HostCai(np.zeros(2), 9), np.int32(3), buf, HostCai(np.zeros(2), 9))
+        assert _interop.launch_streams(cpu._impl, args) == [9]
+        _interop.launch_done(cpu._impl, [9])
+        assert calls == [(ours, 9), (9, ours)]
+        del buf
+        cpu.synchronize()
 
 
 # -- HostBuffer and NumPy / the buffer protocol -------------------------------------------
