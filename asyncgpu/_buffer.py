@@ -295,10 +295,12 @@ class HostBuffer(_BufferBase):
     _kind = "host"
 
     def as_numpy(self) -> np.ndarray:
-        """A NumPy view of the buffer (no copy)."""
+        """A NumPy view of the buffer (no copy) that keeps the buffer, and so its
+        memory, alive for as long as the view exists."""
         self._check()
-        assert self._hostbytes is not None
-        return self._hostbytes.view(self._dtype)
+        from ._interop import host_array
+
+        return host_array(self)
 
     def __getitem__(self, index: Any) -> Any:
         return self.as_numpy()[index]

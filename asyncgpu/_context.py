@@ -703,7 +703,29 @@ class DeviceContext:
             "dump_sass": dump_sass,
             "ptxas_info_verbose": ptxas_info_verbose,
         }
-        return self._state.backend.compile(self, func, name, opts, func_attribute, dump_asm)
+        # A repeat of the same compile is a dictionary lookup (no compiler, no
+        # module load). Dumps are written on the first compile only.
+        try:
+            key: Any = (
+                "compile",
+                func,
+                name,
+                compile_options if isinstance(compile_options, str) else tuple(compile_options),
+                link_options,
+                func_attribute,
+                bool(dump_asm),
+                bool(dump_sass),
+                ptxas_info_verbose,
+            )
+            hit = self._state.compiled.get(key)
+        except TypeError:  # an unhashable function object: compile every time
+            key, hit = None, None
+        if hit is not None:
+            return hit
+        fn = self._state.backend.compile(self, func, name, opts, func_attribute, dump_asm)
+        if key is not None:
+            self._state.compiled[key] = fn
+        return fn
 
     def load_function(
         self, *, function_name: str, asm: str | bytes, func_attribute: FuncAttribute | None = None

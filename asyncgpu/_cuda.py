@@ -16,7 +16,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -100,11 +103,6 @@ _write_value64 = cu.cuStreamWriteValue64
 
 def _init_driver() -> int:
     """``cuInit`` + ``cuDeviceGetCount``; raises ``NoDeviceError`` with the reason."""
-    # Eager module loading: with lazy loading the driver loads a kernel at its
-    # first use and may wait for the device to go idle to do it, which deadlocks
-    # while a stream is held back for host work (a CPU function, a gate). Seen on
-    # the H200 on 2026-12-02. A process that set CUDA_MODULE_LOADING keeps it.
-    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
         err = cu.cuInit(0)[0]
     except RuntimeError as e:  # libcuda.so missing
@@ -187,19 +185,39 @@ class _CudaFunction:
 
     __slots__ = ("kernel", "library", "name", "param_sizes", "raw", "shmem_optin", "sig_ok")
 
-    def __init__(self, objcode: Any, name: str) -> None:
+    def __init__(self, objcode: Any, name: str, ptx: str | None = None) -> None:
         self.library = objcode
         self.kernel = objcode.get_kernel(name)
         self.name = name
         self.raw = cu.CUkernel(int(self.kernel.handle))
-        try:
-            self.param_sizes: tuple[int, ...] | None = tuple(
-                int(p.size) for p in self.kernel.arguments_info
-            )
-        except Exception:
-            self.param_sizes = None
+        # The signature comes from the PTX, not from the driver: asking the driver
+        # (cuda.core's Kernel.arguments_info) blocked on the H200 while a stream of
+        # the context was held back for host work (2026-12-02).
+        self.param_sizes: tuple[int, ...] | None = _ptx_param_sizes(ptx, name) if ptx else None
         self.sig_ok: set[tuple[type, ...]] = set()
         self.shmem_optin = _SHMEM_DEFAULT_LIMIT
+
+
+_PTX_TYPE = re.compile(r"\.(?:b|s|u|f)(8|16|32|64)\b")
+
+
+def _ptx_param_sizes(ptx: str, name: str) -> tuple[int, ...] | None:
+    """Byte sizes of the parameters of ``.entry name`` in PTX text (None if the
+    entry or a parameter's type cannot be read)."""
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
+    if m is None:
+        return () if re.search(r"\.entry\s+" + re.escape(name) + r"\b", ptx) else None
+    sizes = []
+    for decl in m.group(1).split(","):
+        decl = decl.strip()
+        if not decl:
+            continue
+        t = _PTX_TYPE.search(decl)
+        if t is None:
+            return None
+        count = re.search(r"\[(\d+)\]", decl)
+        sizes.append(int(t.group(1)) // 8 * (int(count.group(1)) if count else 1))
+    return tuple(sizes)
 
 
 class _LaunchCfg:
@@ -703,7 +721,9 @@ class CudaBackend:
         self.dev = _check(cu.cuDeviceGet(device_id), "cuDeviceGet")
         self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
         self.make_current()
+        _backends.add(self)
         self._attr_cache: dict[int, int] = {}
+        self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self._info: GPUInfo | None = None
         cc = (
             self.attribute(DeviceAttribute.COMPUTE_CAPABILITY_MAJOR),
@@ -950,9 +970,40 @@ class CudaBackend:
     # -- streams and memory ---------------------------------------------------------------------
 
     def new_stream(self, state: _ContextState, index: int, priority: int) -> CudaStream:
-        return CudaStream(state, index, priority, self)
+        s = CudaStream(state, index, priority, self)
+        self._streams.add(s)
+        return s
+
+    def _wait_for_host_work(self, what: str) -> None:
+        """Loading a module waits, inside the driver, for streams that are held back
+        on the device for host work (seen on the H200, 2026-12-02, with eager and
+        lazy module loading alike). If that host work waits for this thread, the
+        process deadlocks. So wait here first, for at most ``ASYNCGPU_LOAD_WAIT_S``
+        (default 30 s), and raise a clear error instead of hanging."""
+        limit = float(os.environ.get("ASYNCGPU_LOAD_WAIT_S", "30"))
+        t0 = time.monotonic()
+        delay = 0.0001
+        while True:
+            held = [s for s in list(_all_streams(self)) if s._host_ops > s._hostsig.value]
+            if not held:
+                return
+            if time.monotonic() - t0 > limit:
+                names = ", ".join(s.label for s in held)
+                raise DeviceError(
+                    f"{what}: streams {names} are held back for CPU work that has not "
+                    f"finished after {limit:g} s; the CUDA driver cannot load code until it "
+                    "does. Compile and load kernels before enqueuing CPU functions that wait "
+                    "for this thread."
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
 
     def external_stream(self, state: _ContextState, handle: Any, index: int) -> CudaStream:
+        s = self._external_stream(state, handle, index)
+        self._streams.add(s)
+        return s
+
+    def _external_stream(self, state: _ContextState, handle: Any, index: int) -> CudaStream:
         if hasattr(handle, "__cuda_stream__"):
             h = int(handle.__cuda_stream__()[1])
         elif hasattr(handle, "cuda_stream"):
@@ -1087,11 +1138,12 @@ class CudaBackend:
             )
         if options.get("ptxas_info_verbose"):
             opts.append("--ptxas-options=-v")
-        mod = compile_cuda(source, entry, arch=self.arch, options=opts, want_ptx=bool(dump_asm))
+        mod = compile_cuda(source, entry, arch=self.arch, options=opts, want_ptx=True)
         from cuda.core import ObjectCode
 
         self.make_current()
-        impl = _CudaFunction(ObjectCode.from_cubin(mod.cubin, name=entry), entry)
+        self._wait_for_host_work(f"loading kernel {entry!r}")
+        impl = _CudaFunction(ObjectCode.from_cubin(mod.cubin, name=entry), entry, mod.ptx)
         asm = write_dump(mod.ptx or "", dump_asm, ".ptx", name=entry) if dump_asm else None
         sass = None
         if options.get("dump_sass"):
@@ -1110,13 +1162,16 @@ class CudaBackend:
         from cuda.core import ObjectCode
 
         self.make_current()
+        self._wait_for_host_work(f"loading {function_name!r}")
         data = asm.encode() if isinstance(asm, str) else bytes(asm)
         try:
             if data[:4] == b"\x7fELF":
                 code = ObjectCode.from_cubin(data, name=function_name)
+                ptx = None
             else:
                 code = ObjectCode.from_ptx(data, name=function_name)
-            impl = _CudaFunction(code, function_name)
+                ptx = data.decode(errors="replace")
+            impl = _CudaFunction(code, function_name, ptx)
         except Exception as e:
             raise CompileError(f"loading {function_name!r} failed: {e}") from e
         fn = DeviceExternalFunction(ctx, function_name, impl)
@@ -1279,6 +1334,17 @@ def _join_options(*parts: Any) -> list[str]:
     return out
 
 
+def _all_streams(backend: CudaBackend) -> list[CudaStream]:
+    """Every live stream of ``backend``'s device (all contexts share the primary
+    context, so one held stream blocks module loads for all of them)."""
+    out: list[CudaStream] = []
+    for b in list(_backends):
+        if b.device_id == backend.device_id:
+            out.extend(b._streams)
+    return out
+
+
+_backends: weakref.WeakSet[CudaBackend] = weakref.WeakSet()
 _peer_enabled: set[tuple[int, int]] = set()
 _shared: dict[int, CudaBackend] = {}
 

@@ -45,7 +45,9 @@ class Dim(NamedTuple):
         else:
             raise TypeError(f"{what} must be an int, a tuple of 1-3 ints or a Dim, not {value!r}")
         for c in dim:
-            if isinstance(c, bool) or not isinstance(c, int):
+            if isinstance(c, bool):
+                raise TypeError(f"{what} components must be integers, not bools: {value!r}")
+            if not isinstance(c, int):
                 try:
                     c = c.__index__()
                 except AttributeError:

@@ -49,8 +49,19 @@ def api(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def ctx(api: str):
-    """A fresh context on the device under test, closed after the test."""
+    """A fresh context on the device under test, closed after the test.
+
+    On CUDA the suite's kernels are compiled up front: the driver cannot load code
+    while a stream is held back for CPU work (a gate), so a test that compiled its
+    kernel behind a gate would wait for the gate it has yet to open (see
+    docs/guarantees.md, "Loading kernels while CPU work holds a stream")."""
     c = asyncgpu.DeviceContext(api=api)
+    if api == "cuda":
+        import _kernels
+
+        for k in vars(_kernels).values():
+            if isinstance(k, asyncgpu.Kernel) and k.cuda is not None:
+                c._compiled(k, None)
     try:
         yield c
     finally:

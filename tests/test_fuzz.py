@@ -440,8 +440,7 @@ wrong_dim = st.sampled_from([2.0, "4", None, [2], (), (1, 1, 1, 1), b"x", 1.5, (
 
 
 def dims(component: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    # (Bool components are left out: asyncgpu._types.Dim.of accepts them, see
-    # test_bool_launch_dimension_components_are_type_errors.)
+    # (Bool components are pinned by test_bool_launch_dimension_components_are_type_errors.)
     return st.one_of(
         component,
         st.tuples(component),
@@ -920,11 +919,6 @@ def test_enqueue_function_geometry_and_arguments(
     arena.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: asyncgpu/_types.py Dim.of accepts bools as components: (True,) is one "
-    "block, while True alone is a TypeError",
-)
 def test_bool_launch_dimension_components_are_type_errors(dev, stamp) -> None:
     out = dev.enqueue_create_buffer(np.int32, 4)
     with pytest.raises(TypeError):

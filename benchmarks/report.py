@@ -1,0 +1,172 @@
+"""Render a benchmark JSON (from ``run.py --json``) as the Markdown tables of
+docs/performance.md, so the docs quote measured numbers only.
+
+    python benchmarks/report.py benchmarks/results/2026-12-02-h200-bench.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def _m(res: dict[str, Any], case: str, key: str) -> float | None:
+    r = res.get(case)
+    if not r or r.get("status") != "ok":
+        return None
+    v = r["metrics"].get(key)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _f(v: float | None, fmt: str = "{:.1f}") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def render(doc: dict[str, Any]) -> str:
+    res = doc["results"]
+    env = doc["environment"]
+    out = [
+        f"Run of {doc['started_at']} on {(env.get('device') or {}).get('name', '?')}, driver "
+        f"{env.get('nvml_driver_version')} (CUDA {env.get('driver_cuda_version')}), python "
+        f"{env.get('python')}; command `python benchmarks/run.py --device --json ...` "
+        "through `benchmarks/device_run.sh`.",
+        "",
+        "### Completion round trip (enqueue an empty kernel, learn it finished; median µs)",
+        "",
+        "| strategy | µs | / blocking sync |",
+        "| --- | --- | --- |",
+    ]
+    base = _m(res, "engine_latency", "blocking_median_us")
+    rows = [
+        (
+            "asyncgpu `await` (same process, interleaved)",
+            _m(res, "engine_latency", "await_median_us"),
+        ),
+        (
+            "asyncgpu `event.synchronize()`",
+            _m(res, "engine_latency", "event_synchronize_median_us"),
+        ),
+        ("launch + `cuStreamSynchronize` (same process)", base),
+        ("peers: `cuStreamSynchronize`", _m(res, "rt_stream_sync", "median_us")),
+        ("peers: mapped counter, busy spin", _m(res, "rt_mapped_counter_spin", "median_us")),
+        (
+            "peers: mapped counter + `asyncio.sleep(0)`",
+            _m(res, "rt_asyncio_mapped_counter", "median_us"),
+        ),
+        (
+            "peers: `cuEventQuery` + `asyncio.sleep(0)`",
+            _m(res, "rt_asyncio_event_poll", "median_us"),
+        ),
+        ("peers: blocking-sync event", _m(res, "rt_blocking_event_sync", "median_us")),
+        (
+            "peers: `cuLaunchHostFunc` → `threading.Event`",
+            _m(res, "rt_hostfunc_threading_event", "median_us"),
+        ),
+        (
+            "peers: `cuLaunchHostFunc` → `call_soon_threadsafe`",
+            _m(res, "rt_hostfunc_asyncio", "median_us"),
+        ),
+        (
+            "peers: `run_in_executor(cuEventSynchronize)`",
+            _m(res, "rt_executor_event_sync", "median_us"),
+        ),
+        ("peers: CuPy `stream.synchronize()`", _m(res, "rt_cupy_stream_sync", "median_us")),
+        ("peers: PyTorch `torch.cuda.synchronize()`", _m(res, "rt_torch_sync", "median_us")),
+    ]
+    for name, v in rows:
+        ratio = None if v is None or not base else v / base
+        out.append(f"| {name} | {_f(v)} | {_f(ratio, '{:.2f}')} |")
+    nb = res.get("rt_numba_async_done", {})
+    if nb.get("status") != "ok":
+        out.append(f"| peers: numba-cuda `async_done()` | {nb.get('reason', 'n/a')[:90]} | |")
+    out += [
+        "",
+        "### Throughput: 1000 tasks x 10 awaited empty launches over 8 streams",
+        "",
+        "| strategy | awaited ops/s |",
+        "| --- | --- |",
+        f"| asyncgpu | {_f(_m(res, 'engine_throughput', 'ops_per_s'), '{:,.0f}')} |",
+        f"| host callbacks into asyncio | "
+        f"{_f(_m(res, 'tp_hostfunc_asyncio', 'median_ops_per_s'), '{:,.0f}')} |",
+        f"| `cuEventQuery` polling with `asyncio.sleep(0)` | "
+        f"{_f(_m(res, 'tp_event_poll_asyncio', 'median_ops_per_s'), '{:,.0f}')} |",
+        f"| `run_in_executor(cuEventSynchronize)` | "
+        f"{_f(_m(res, 'tp_executor_event_sync', 'median_ops_per_s'), '{:,.0f}')} |",
+        "",
+        f"Ticker lag during the asyncgpu run: p50 "
+        f"{_f(_m(res, 'engine_throughput', 'ticker_lag_p50_ms'), '{:.2f}')} ms, p99 "
+        f"{_f(_m(res, 'engine_throughput', 'ticker_lag_p99_ms'), '{:.2f}')} ms. CPU while one "
+        f"task awaits a 200 ms kernel: "
+        f"{_f(_m(res, 'engine_idle', 'cpu_fraction_of_one_core'), '{:.1%}')} of a core.",
+        "",
+        "### Launch (host µs per launch, median)",
+        "",
+        "| kernel | asyncgpu | cuda.core | raw cuda.bindings | CuPy | PyTorch `add_` |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| empty | {_f(_m(res, 'fast_launch', 'empty_median_us'), '{:.2f}')} | "
+        f"{_f(_m(res, 'launch_core_empty', 'median_us'), '{:.2f}')} | "
+        f"{_f(_m(res, 'launch_raw_empty', 'median_us'), '{:.2f}')} | | |",
+        f"| 4 args | {_f(_m(res, 'fast_launch', 'axpy4_median_us'), '{:.2f}')} | "
+        f"{_f(_m(res, 'launch_core_4args', 'median_us'), '{:.2f}')} | "
+        f"{_f(_m(res, 'launch_raw_4args', 'median_us'), '{:.2f}')} | "
+        f"{_f(_m(res, 'launch_cupy_4args', 'median_us'), '{:.2f}')} | "
+        f"{_f(_m(res, 'launch_torch_add', 'median_us'), '{:.2f}')} |",
+        "",
+        "### Copies, 512 MiB of random data (GB/s; D2D counts read + write)",
+        "",
+        "| copy | asyncgpu | raw |",
+        "| --- | --- | --- |",
+    ]
+    for name, ours, peer in (
+        ("H2D pinned", "h2d_pinned_gbps", "copy_h2d_pinned"),
+        ("D2H pinned", "d2h_pinned_gbps", "copy_d2h_pinned"),
+        ("D2D", "d2d_gbps", "copy_d2d"),
+        ("H2D pageable", "h2d_pageable_gbps", "copy_h2d_pageable"),
+        ("D2H pageable", "d2h_pageable_gbps", "copy_d2h_pageable"),
+    ):
+        out.append(
+            f"| {name} | {_f(_m(res, 'fast_copies', ours))} | {_f(_m(res, peer, 'median_gbps'))} |"
+        )
+    out += [
+        "",
+        "### Allocation of 1 MiB and its release (µs per pair)",
+        "",
+        "| what | asyncgpu | raw |",
+        "| --- | --- | --- |",
+        f"| device buffer | {_f(_m(res, 'fast_alloc', 'device_1mib_us'), '{:.2f}')} | "
+        f"`cuMemAlloc`+`cuMemFree` {_f(_m(res, 'alloc_device', 'median_us'), '{:.2f}')}; "
+        f"`cuMemAllocAsync` pool {_f(_m(res, 'alloc_async_pool', 'median_us'), '{:.2f}')} |",
+        f"| pinned host buffer | {_f(_m(res, 'fast_alloc', 'host_1mib_us'), '{:.2f}')} | "
+        f"`cuMemAllocHost`+`cuMemFreeHost` "
+        f"{_f(_m(res, 'alloc_pinned_host', 'median_us'), '{:.1f}')} |",
+        "",
+        "### Compile and overlap",
+        "",
+        f"Cold NVRTC compile {_f(_m(res, 'fast_compile', 'cold_nvrtc_ms'))} ms; fresh-process "
+        f"disk-cache hit {_f(_m(res, 'fast_compile', 'fresh_process_disk_hit_ms'), '{:.2f}')} "
+        f"ms; in-process repeat "
+        f"{_f(_m(res, 'fast_compile', 'in_process_repeat_us'))} µs. 16 streams x 2 ms "
+        f"one-block kernel: {_f(_m(res, 'fast_overlap', 'sixteen_streams_ms'), '{:.2f}')} ms "
+        f"against {_f(_m(res, 'fast_overlap', 'one_stream_ms'), '{:.2f}')} ms for one "
+        f"(raw peers: {_f(_m(res, 'overlap_spin_streams', 'many_streams_ms'), '{:.2f}')} / "
+        f"{_f(_m(res, 'overlap_spin_streams', 'one_stream_ms'), '{:.2f}')} ms). 4-stream "
+        f"pipeline speed-up: {_f(_m(res, 'fast_overlap', 'pipeline_speedup'), '{:.2f}')}x "
+        f"(raw peers: {_f(_m(res, 'pipeline_streams', 'throughput_ratio'), '{:.2f}')}x).",
+        "",
+        "### Goals",
+        "",
+        "| goal | measured | target | met |",
+        "| --- | --- | --- | --- |",
+    ]
+    for g in doc.get("goals", []):
+        v = "n/a" if g["value"] is None else f"{g['value']:.3f}"
+        op = ">=" if g["better"] == "higher" else "<="
+        met = {True: "yes", False: "**no**", None: "-"}[g["met"]]
+        out.append(f"| {g['goal']} | {v} | {op} {g['target']:g} | {met} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        print(render(json.load(f)))
