@@ -183,7 +183,7 @@ _detached: list[Any] = []
 class _CudaFunction:
     """The loaded kernel and what is cached for launching it."""
 
-    __slots__ = ("kernel", "library", "name", "param_sizes", "raw", "shmem_optin", "sig_ok")
+    __slots__ = ("kernel", "library", "name", "param_sizes", "plans", "raw", "shmem_optin")
 
     def __init__(self, objcode: Any, name: str, ptx: str | None = None) -> None:
         self.library = objcode
@@ -194,7 +194,7 @@ class _CudaFunction:
         # (cuda.core's Kernel.arguments_info) blocked on the H200 while a stream of
         # the context was held back for host work (2026-12-02).
         self.param_sizes: tuple[int, ...] | None = _ptx_param_sizes(ptx, name) if ptx else None
-        self.sig_ok: set[tuple[type, ...]] = set()
+        self.plans: dict[tuple[type, ...], tuple[tuple[int, bool], ...]] = {}
         self.shmem_optin = _SHMEM_DEFAULT_LIMIT
 
 
@@ -227,10 +227,6 @@ class _LaunchCfg:
         self.cc = cc
         self.coop = coop
         self.priority = priority
-
-
-def _arg_size(a: Any) -> int:
-    return a.dtype.itemsize if isinstance(a, np.generic) else 8
 
 
 class CudaStream(_PolledStream):
@@ -356,8 +352,9 @@ class CudaStream(_PolledStream):
             and inflight[0]._seq <= self._completed()
         ):
             self._retire()
-        self._touched = True
-        watcher.sweep_later(self)
+        if not self._touched:
+            self._touched = True
+            watcher.sweep_later(self)
 
     def launch(
         self,
@@ -654,52 +651,68 @@ def _in_pool_value(
     return _in_pool(body)
 
 
-def _kernel_args(impl: _CudaFunction, args: tuple[Any, ...], state: _ContextState) -> list[Any]:
-    out: list[Any] = []
-    append = out.append
-    for a in args:
-        t = type(a)
-        if t is DeviceBuffer or t is HostBuffer:
+def _kernel_args(impl: _CudaFunction, args: tuple[Any, ...], state: _ContextState) -> Sequence[Any]:
+    """The launch arguments for cuda.core: buffers become their addresses. What each
+    position needs is worked out, and the kernel's signature checked, once per
+    tuple of argument types (``_arg_plan``); a repeat costs a dictionary lookup."""
+    key = tuple(map(type, args))
+    plan = impl.plans.get(key)
+    if plan is None:
+        plan = impl.plans[key] = _arg_plan(impl, args)
+    if not plan:
+        return args
+    out = list(args)
+    for i, is_buffer in plan:
+        a = out[i]
+        if is_buffer:
             if a._alloc is None or a._ctx._state.closed:
                 a._check()
-            append(a._ptr)
+            out[i] = a._ptr
+        else:
+            out[i] = int(a.__cuda_array_interface__["data"][0])
+    return out
+
+
+def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> tuple[tuple[int, bool], ...]:
+    """Validate one tuple of argument types; return the positions to convert
+    (``True``: a buffer, ``False``: an object with ``__cuda_array_interface__``)."""
+    plan: list[tuple[int, bool]] = []
+    sizes: list[int] = []
+    for n, a in enumerate(args):
+        t = type(a)
+        if t is DeviceBuffer or t is HostBuffer:
+            plan.append((n, True))
+            sizes.append(8)
         elif isinstance(a, np.generic):
-            append(a)
+            sizes.append(a.dtype.itemsize)
         elif t in (int, float, bool, complex):
             raise TypeError(
-                f"kernel argument {len(out)} ({a!r}) is a Python {t.__name__}; give it a NumPy "
+                f"kernel argument {n} ({a!r}) is a Python {t.__name__}; give it a NumPy "
                 "type (e.g. np.int32(n), np.float32(x)) so its C type is explicit"
             )
         elif isinstance(a, np.ndarray):
             raise TypeError(
-                f"kernel argument {len(out)} is a NumPy array in pageable host memory; copy it "
+                f"kernel argument {n} is a NumPy array in pageable host memory; copy it "
                 "into a DeviceBuffer or HostBuffer first"
             )
+        elif getattr(a, "__cuda_array_interface__", None) is not None:
+            plan.append((n, False))
+            sizes.append(8)
+        elif hasattr(a, "handle") and t.__module__.startswith("cuda.core"):
+            sizes.append(8)
         else:
-            cai = getattr(a, "__cuda_array_interface__", None)
-            if cai is not None:
-                append(int(cai["data"][0]))
-            elif hasattr(a, "handle") and t.__module__.startswith("cuda.core"):
-                append(a)
-            else:
-                raise TypeError(f"kernel argument {len(out)} of type {t.__name__} is not supported")
-    sizes = impl.param_sizes
-    if sizes is not None:
-        key = tuple(map(type, args))
-        if key not in impl.sig_ok:
-            if len(args) != len(sizes):
+            raise TypeError(f"kernel argument {n} of type {t.__name__} is not supported")
+    want = impl.param_sizes
+    if want is not None:
+        if len(args) != len(want):
+            raise TypeError(f"kernel {impl.name} takes {len(want)} arguments, {len(args)} given")
+        for n, (got, w) in enumerate(zip(sizes, want, strict=True)):
+            if got != w:
                 raise TypeError(
-                    f"kernel {impl.name} takes {len(sizes)} arguments, {len(args)} given"
+                    f"kernel {impl.name} argument {n} is {w} bytes, but "
+                    f"{type(args[n]).__name__} is {got} bytes"
                 )
-            for i, (a, want) in enumerate(zip(out, sizes, strict=True)):
-                got = _arg_size(a)
-                if got != want:
-                    raise TypeError(
-                        f"kernel {impl.name} argument {i} is {want} bytes, but "
-                        f"{type(args[i]).__name__} is {got} bytes"
-                    )
-            impl.sig_ok.add(key)
-    return out
+    return tuple(plan)
 
 
 class CudaBackend:
@@ -1228,7 +1241,7 @@ class CudaBackend:
         return _LaunchCfg(cc, coop, priority)
 
     def launch_raw(
-        self, stream: CudaStream, impl: _CudaFunction, cfg: _LaunchCfg, kargs: list[Any]
+        self, stream: CudaStream, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any]
     ) -> None:
         """``cuLaunchKernelEx`` with launch attributes cuda.core's LaunchConfig lacks
         (priority)."""

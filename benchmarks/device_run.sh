@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one device call: GPU test cases and the benchmarks, on the lent H200.
+# The one device call: GPU test cases, the benchmarks and the soak, on the lent H200.
 #   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only]
-# Writes under $OUT (at most 8 files): env.txt, tests.log, tests.json, bench.json, bench.log.
+# Writes under $OUT (at most 8 files): env.txt, tests.log, tests.json, bench.json, bench.log,
+# soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 set -uo pipefail
 OUT=${OUT:-/tmp/asyncgpu-device-out}
 mkdir -p "$OUT"
@@ -31,8 +32,11 @@ export PYTHONUNBUFFERED=1 ASYNCGPU_CACHE_DIR=/tmp/asyncgpu-kernels
 cat "$OUT/env.txt"
 rc=0
 if [ "$MODE" != bench ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rfEs -p no:cacheprovider -p timeout \
-    --timeout=30 tests --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
+  # --capture=sys keeps fd 2 real, so the suite's hang watchdog (ASYNCGPU_TEST_HANG_S)
+  # writes every thread's stack into tests.log before it stops the run.
+  ASYNCGPU_TEST_HANG_S=${ASYNCGPU_TEST_HANG_S:-60} timeout "${TEST_TIMEOUT:-300}" \
+    python3 -m pytest -q -rfEs -p no:cacheprovider --capture=sys tests \
+    --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
   rc=${PIPESTATUS[0]}
   python3 - "$OUT/tests.xml" "$OUT/tests.json" <<'PY'
 import json, sys, xml.etree.ElementTree as ET, datetime, subprocess
@@ -69,6 +73,10 @@ if [ "$MODE" != tests ]; then
   if [ -f benchmarks/run.py ]; then
     timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
     tail -45 "$OUT/bench.log"
+    ops=1000000; [ -n "$QUICK" ] && ops=100000
+    timeout "${SOAK_TIMEOUT:-240}" python3 benchmarks/soak.py --device cuda --ops $ops --tasks 1000 \
+      --streams 8 --json "$OUT/soak.json" > "$OUT/soak.log" 2>&1
+    tail -15 "$OUT/soak.log"
   else
     timeout 300 python3 benchmarks/bench_engine.py $QUICK --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     timeout 200 python3 benchmarks/peers_gpu.py --quick --json "$OUT/peers.json" 2>&1 | tail -60 | tee "$OUT/peers.log"

@@ -89,3 +89,47 @@ def test_loading_code_waits_for_cpu_work_that_finishes(backend, monkeypatch) -> 
     b._wait_for_host_work("loading kernel 'k'")  # returns once the work is done
     t.join(10)
     assert held._hostsig.value == 1
+
+
+class _Impl:
+    """Stands in for a loaded kernel: a name, a signature, a plan cache."""
+
+    def __init__(self, sizes: tuple[int, ...] | None) -> None:
+        self.name = "k"
+        self.param_sizes = sizes
+        self.plans: dict = {}
+
+
+class _Cai:
+    def __init__(self, ptr: int) -> None:
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (1,), "version": 3}
+
+
+def test_kernel_arguments_are_checked_once_per_type_tuple() -> None:
+    import numpy as np
+
+    impl = _Impl((4, 8, 8))
+    args = (np.float32(2), _Cai(0x1000), _Cai(0x2000))
+    assert list(cuda._kernel_args(impl, args, None)) == [np.float32(2), 0x1000, 0x2000]
+    assert len(impl.plans) == 1
+    again = (np.float32(3), _Cai(0x3000), _Cai(0x4000))  # same types: the cached plan
+    assert list(cuda._kernel_args(impl, again, None)) == [np.float32(3), 0x3000, 0x4000]
+    assert len(impl.plans) == 1
+    scalars = (np.float32(1),)
+    with pytest.raises(TypeError, match="takes 3 arguments, 1 given"):
+        cuda._kernel_args(impl, scalars, None)
+    with pytest.raises(TypeError, match="argument 0 is 4 bytes, but float64 is 8 bytes"):
+        cuda._kernel_args(impl, (np.float64(1), _Cai(1), _Cai(2)), None)
+    with pytest.raises(TypeError, match="Python float"):
+        cuda._kernel_args(impl, (1.5, _Cai(1), _Cai(2)), None)
+    with pytest.raises(TypeError, match="pageable host memory"):
+        cuda._kernel_args(impl, (np.float32(1), np.zeros(2), _Cai(2)), None)
+    assert len(impl.plans) == 1  # a rejected tuple of types is not cached
+
+
+def test_scalar_only_arguments_pass_through_unchanged() -> None:
+    import numpy as np
+
+    impl = _Impl(None)  # a kernel loaded from a cubin: no signature known
+    args = (np.int32(1), np.int64(2))
+    assert cuda._kernel_args(impl, args, None) is args
