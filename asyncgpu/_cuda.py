@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import _interop
 from ._buffer import DeviceBuffer, HostBuffer
 from ._compiler import compile_cuda, dump_sass, write_dump
 from ._engine import cpu_pool, pool_size, watcher
@@ -366,16 +367,21 @@ class CudaStream(_PolledStream):
         impl: _CudaFunction = fn._impl
         if impl is None:
             raise UnsupportedError(f"{fn!r} was released")
-        kargs = _kernel_args(impl, args, self.state)
+        kargs, foreign = _kernel_args(impl, args, self.state)
         if constant_memory:
             self.backend.write_constants(impl, constant_memory, self)
         with self._submit_lock:
             self._before_submit()
+            # Arrays of other libraries (CuPy, PyTorch): order the launch after
+            # their producer stream, and that stream after the launch.
+            waits = _interop.launch_streams(self, args) if foreign else ()
             if cfg.priority is None:
                 _launch(self.cs, cfg.cc, impl.kernel, *kargs)
             else:
                 self.backend.launch_raw(self, impl, cfg, kargs)
             ev = self._mark(args)
+            if waits:
+                _interop.launch_done(self, waits)
         self._prune()
         return ev
 
@@ -560,6 +566,11 @@ class CudaStream(_PolledStream):
                 _check(cu.cuEventRecord(ev._handle, self.raw), "cuEventRecord")
             ev._stream = self
             ev._error = None
+            if not self.owned:
+                # Another library submits to this stream too: an operation of ours
+                # now stands for its work so far as well.
+                self._before_submit()
+                self._mark(None)
             ev._seq = self._seq
             if self._seq == 0 or self._completed() >= self._seq:
                 ev._done = True
@@ -660,7 +671,7 @@ def _kernel_args(impl: _CudaFunction, args: tuple[Any, ...], state: _ContextStat
     if plan is None:
         plan = impl.plans[key] = _arg_plan(impl, args)
     if not plan:
-        return args
+        return args, False
     out = list(args)
     for i, is_buffer in plan:
         a = out[i]
@@ -670,7 +681,7 @@ def _kernel_args(impl: _CudaFunction, args: tuple[Any, ...], state: _ContextStat
             out[i] = a._ptr
         else:
             out[i] = int(a.__cuda_array_interface__["data"][0])
-    return out
+    return out, not all(b for _, b in plan)
 
 
 def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> tuple[tuple[int, bool], ...]:

@@ -355,7 +355,12 @@ class DeviceStream:
 
     def __await__(self) -> Generator[Any, None, None]:
         self._ctx._check_open()
-        ev = self._impl.tail()
+        if getattr(self._impl, "owned", True):
+            ev = self._impl.tail()
+        else:  # a wrapped stream: wait for its owner's work too
+            from ._interop import _fence
+
+            ev = _fence(self._impl)
         if ev is not None:
             yield from ev._wait_async()
             ev._raise_fault()

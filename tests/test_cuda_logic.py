@@ -110,10 +110,11 @@ def test_kernel_arguments_are_checked_once_per_type_tuple() -> None:
 
     impl = _Impl((4, 8, 8))
     args = (np.float32(2), _Cai(0x1000), _Cai(0x2000))
-    assert list(cuda._kernel_args(impl, args, None)) == [np.float32(2), 0x1000, 0x2000]
+    out, foreign = cuda._kernel_args(impl, args, None)
+    assert list(out) == [np.float32(2), 0x1000, 0x2000] and foreign
     assert len(impl.plans) == 1
     again = (np.float32(3), _Cai(0x3000), _Cai(0x4000))  # same types: the cached plan
-    assert list(cuda._kernel_args(impl, again, None)) == [np.float32(3), 0x3000, 0x4000]
+    assert list(cuda._kernel_args(impl, again, None)[0]) == [np.float32(3), 0x3000, 0x4000]
     assert len(impl.plans) == 1
     scalars = (np.float32(1),)
     with pytest.raises(TypeError, match="takes 3 arguments, 1 given"):
@@ -132,4 +133,4 @@ def test_scalar_only_arguments_pass_through_unchanged() -> None:
 
     impl = _Impl(None)  # a kernel loaded from a cubin: no signature known
     args = (np.int32(1), np.int64(2))
-    assert cuda._kernel_args(impl, args, None) is args
+    assert cuda._kernel_args(impl, args, None) == (args, False)

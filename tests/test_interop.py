@@ -652,9 +652,6 @@ class TestTorch:
         ours.context().enqueue_copy(out, buf).synchronize()
         np.testing.assert_array_equal(out, 1)
 
-    @pytest.mark.xfail(
-        strict=False, reason="needs the launch hook in _cuda (see _interop.launch_streams)"
-    )
     def test_kernel_argument_is_ordered_with_torchs_stream(self, cuda) -> None:
         torch = pytest.importorskip("torch")
         n = 1 << 16
