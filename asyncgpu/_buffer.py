@@ -21,7 +21,7 @@ import numpy as np
 from ._errors import ContextClosedError
 
 if TYPE_CHECKING:
-    from ._context import DeviceContext, _ContextState
+    from ._context import DeviceContext
     from ._event import DeviceEvent
     from ._stream import _StreamImpl
 
@@ -416,16 +416,3 @@ class _HostMapping:
         if self._host is not None:
             await self._buf.context().enqueue_copy(self._buf, self._host)
             self._host = None
-
-
-def operand(obj: Any, writable: bool, state: _ContextState) -> Any:
-    """Normalise a copy operand: buffers as they are, NumPy arrays as spans."""
-    if isinstance(obj, _BufferBase):
-        obj._check()
-        return obj
-    if isinstance(obj, np.ndarray):
-        return _Span(obj, writable)
-    raise TypeError(
-        "a copy operand must be a DeviceBuffer, a HostBuffer, a NumPy array or (with a size) "
-        f"an int address, not {type(obj).__name__}"
-    )

@@ -9,7 +9,6 @@ object (``_stream._StreamImpl``): the only seam between core and devices.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import numbers
@@ -1040,11 +1039,3 @@ _live_states: set[_ContextState] = set()
 
 def _any_polled_open() -> bool:
     return any(s.api == "cuda" and not s.closed for s in list(_live_states))
-
-
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True

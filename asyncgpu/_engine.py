@@ -33,7 +33,6 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -333,7 +332,3 @@ class _Watcher:
 
 
 watcher = _Watcher()
-
-
-def call_when_done(ev: DeviceEvent, fn: Callable[[DeviceEvent], None]) -> None:
-    ev.add_done_callback(fn)

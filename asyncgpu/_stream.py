@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ContextClosedError, DeviceFaultError
+from ._errors import DeviceFaultError
 from ._event import DeviceEvent, _loop_waiter
 
 if TYPE_CHECKING:
@@ -373,8 +373,3 @@ class DeviceStream:
 
     def __repr__(self) -> str:
         return f"<DeviceStream {self._impl.label} priority={self._impl.priority}>"
-
-
-def check_open(state: _ContextState) -> None:
-    if state.closed:
-        raise ContextClosedError(f"the DeviceContext {state.describe()} is closed")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
@@ -218,10 +217,3 @@ class GPUInfo:
     def target(self) -> str:
         """The compilation target: ``sm_90`` on an H200, ``cpu`` on the CPU device."""
         return self.arch
-
-
-def dims_product(dims: Iterable[int]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
