@@ -1364,7 +1364,7 @@ def _all_streams(backend: CudaBackend) -> list[CudaStream]:
     out: list[CudaStream] = []
     for b in list(_backends):
         if b.device_id == backend.device_id:
-            out.extend(b._streams)
+            out.extend(s for s in list(b._streams) if not s.is_closed)
     return out
 
 
