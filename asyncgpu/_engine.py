@@ -3,7 +3,8 @@
 Push-completed streams (the CPU device) finish their events from the pool
 threads that run the work, so they need nothing from here but the pool.
 Poll-completed streams (CUDA) expose a monotonically increasing completion
-counter that the GPU writes into host-mapped memory after each operation, and
+counter that the GPU writes into host-mapped memory at each marker (markers are
+placed where a completion can be waited for; see ``_stream._PolledStream``), and
 events on one stream complete in submission order, so noticing completions
 costs one plain memory read per stream, whatever the number of pending events.
 
@@ -11,9 +12,10 @@ Two pollers read those counters:
 
 * ``_Reactor``: one per asyncio event loop, a task on that loop. It polls every
   stream with pending awaits once per loop iteration while completions keep
-  coming (``SPIN_S``), then parks on a timer, ``PARK_S`` at a time, so a long
-  kernel costs almost no CPU. Wake-ups it causes are plain ``set_result`` calls
-  on its own loop: no thread hop, no self-pipe write.
+  coming (``SPIN_S``), then parks on a timer (``PARK_S`` backing off to
+  ``PARK_MAX_S``), so a long kernel costs almost no CPU. Wake-ups it causes are
+  plain ``set_result`` calls on its own loop, ``WAKE_BATCH`` per iteration: no
+  thread hop, no self-pipe write.
 * ``_Watcher``: one thread per process, for everything that is not an asyncio
   await (``add_done_callback``, trio awaits, CPU functions enqueued behind GPU
   work, sweeping finished work so that what it kept alive is released). It
