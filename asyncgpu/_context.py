@@ -475,12 +475,7 @@ class DeviceContext:
             ev = other._impl.tail()
         elif isinstance(other, DeviceStream):
             other._ctx._check_open()
-            if getattr(other._impl, "owned", True):
-                ev = other._impl.tail()
-            else:  # a wrapped stream: its owner's work is invisible to tail()
-                from ._interop import _fence
-
-                ev = _fence(other._impl)
+            ev = other._impl.point()
         else:
             raise TypeError(
                 f"enqueue_wait_for takes a DeviceContext, DeviceStream or DeviceEvent, not "

@@ -24,7 +24,7 @@ import numpy as np
 from ._engine import cpu_pool, pool_size
 from ._errors import CompileError, UnsupportedError
 from ._event import DeviceEvent
-from ._function import DeviceFunction, Kernel, ThreadBlock
+from ._function import DeviceFunction, Kernel, ThreadBlock, reject_python_scalar
 from ._stream import _StreamImpl
 from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
@@ -232,12 +232,8 @@ class CpuStream(_StreamImpl):
         grid, block, shmem = cfg
         if constant_memory:
             raise UnsupportedError("the CPU device has no __constant__ memory")
-        for a in args:
-            if type(a) in (int, float, complex, bool):
-                raise TypeError(
-                    f"kernel argument {a!r} is a Python {type(a).__name__}; give it a NumPy "
-                    "type (e.g. np.int32(n), np.float32(x)) so its C type is explicit"
-                )
+        for n, a in enumerate(args):
+            reject_python_scalar(n, a)
         body = fn._impl
         host_args = tuple(_kernel_arg(a) for a in args)
         tidx = ThreadBlock.thread_indices(block)

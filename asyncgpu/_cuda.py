@@ -39,7 +39,7 @@ from ._errors import (
     UnsupportedError,
 )
 from ._event import DeviceEvent
-from ._function import DeviceExternalFunction, DeviceFunction, Kernel
+from ._function import DeviceExternalFunction, DeviceFunction, Kernel, reject_python_scalar
 from ._stream import _PolledStream, _StreamImpl
 from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
@@ -276,6 +276,13 @@ class CudaStream(_PolledStream):
 
     def handle(self) -> int:
         return self.h
+
+    def point(self) -> DeviceEvent | None:
+        if self.owned:
+            return self.tail()
+        # A wrapped stream: its owner's work is invisible to tail(), so an empty
+        # operation of ours now stands for it too.
+        return _interop._fence(self)
 
     # -- the hot path ------------------------------------------------------------------
 
@@ -697,10 +704,7 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> tuple[tuple[int, bo
         elif isinstance(a, np.generic):
             sizes.append(a.dtype.itemsize)
         elif t in (int, float, bool, complex):
-            raise TypeError(
-                f"kernel argument {n} ({a!r}) is a Python {t.__name__}; give it a NumPy "
-                "type (e.g. np.int32(n), np.float32(x)) so its C type is explicit"
-            )
+            reject_python_scalar(n, a)
         elif isinstance(a, np.ndarray):
             raise TypeError(
                 f"kernel argument {n} is a NumPy array in pageable host memory; copy it "

@@ -30,6 +30,16 @@ if TYPE_CHECKING:
 __all__ = ["DeviceExternalFunction", "DeviceFunction", "Kernel", "ThreadBlock", "kernel"]
 
 
+def reject_python_scalar(n: int, a: Any) -> None:
+    """Kernel arguments need an explicit C type: a Python int, float, bool or
+    complex raises ``TypeError`` (on every device alike)."""
+    if type(a) in (int, float, bool, complex):
+        raise TypeError(
+            f"kernel argument {n} ({a!r}) is a Python {type(a).__name__}; give it a NumPy "
+            "type (e.g. np.int32(n), np.float32(x)) so its C type is explicit"
+        )
+
+
 class Kernel:
     """A kernel with a CUDA C++ source, a NumPy body, or both.
 

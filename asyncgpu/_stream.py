@@ -96,6 +96,11 @@ class _StreamImpl:
         """The event of the last operation submitted (None: nothing yet)."""
         raise NotImplementedError
 
+    def point(self) -> DeviceEvent | None:
+        """The event standing for everything submitted to the stream so far (what
+        ``await stream`` and ``enqueue_wait_for(stream)`` wait for)."""
+        return self.tail()
+
     def record(self, ev: DeviceEvent) -> None:
         """Re-point the user event ``ev`` at the current end of this stream."""
         raise NotImplementedError
@@ -355,12 +360,7 @@ class DeviceStream:
 
     def __await__(self) -> Generator[Any, None, None]:
         self._ctx._check_open()
-        if getattr(self._impl, "owned", True):
-            ev = self._impl.tail()
-        else:  # a wrapped stream: wait for its owner's work too
-            from ._interop import _fence
-
-            ev = _fence(self._impl)
+        ev = self._impl.point()
         if ev is not None:
             yield from ev._wait_async()
             ev._raise_fault()
