@@ -7,8 +7,11 @@ After each operation the stream writes the operation's sequence number into it
 plain memory (see ``_engine``). Cross-stream and cross-device waits wait on the
 same counters on the device (``cuStreamWaitValue64``). Host work on a stream
 (CPU functions, CPU ranges, pageable copies) runs on the CPU pool once the
-stream reaches it, and the stream waits on the device, on a second counter the
-pool thread writes, until that work has finished.
+stream reaches it; what is enqueued behind it is held on the host and handed
+to the driver when it finishes (``_PolledStream``'s held submission), so no
+stream waits on the device for memory that only the host writes. Streams
+wrapped from other libraries are the exception: their owner's work must wait
+too, so they wait on the device on a second counter the pool thread writes.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import contextlib
 import ctypes
 import os
 import re
+import struct
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,7 +45,7 @@ from ._errors import (
 )
 from ._event import DeviceEvent
 from ._function import DeviceExternalFunction, DeviceFunction, Kernel, reject_python_scalar
-from ._stream import _PolledStream, _StreamImpl
+from ._stream import _Gate, _PolledStream, _StreamImpl
 from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
 if TYPE_CHECKING:
@@ -184,18 +189,28 @@ _detached: list[Any] = []
 class _CudaFunction:
     """The loaded kernel and what is cached for launching it."""
 
-    __slots__ = ("kernel", "library", "name", "param_sizes", "plans", "raw", "shmem_optin")
+    __slots__ = (
+        "fn",
+        "kernel",
+        "library",
+        "name",
+        "param_sizes",
+        "plans",
+        "raw",
+        "shmem_optin",
+    )
 
     def __init__(self, objcode: Any, name: str, ptx: str | None = None) -> None:
         self.library = objcode
         self.kernel = objcode.get_kernel(name)
         self.name = name
         self.raw = cu.CUkernel(int(self.kernel.handle))
+        self.fn = cu.CUfunction(int(self.kernel.handle))  # what cuLaunchKernel takes
         # The signature comes from the PTX, not from the driver: asking the driver
         # (cuda.core's Kernel.arguments_info) blocked on the H200 while a stream of
         # the context was held back for host work (2026-12-02).
         self.param_sizes: tuple[int, ...] | None = _ptx_param_sizes(ptx, name) if ptx else None
-        self.plans: dict[tuple[type, ...], tuple[tuple[int, bool], ...]] = {}
+        self.plans: dict[tuple[type, ...], _ArgPlan] = {}
         self.shmem_optin = _SHMEM_DEFAULT_LIMIT
 
 
@@ -222,12 +237,19 @@ def _ptx_param_sizes(ptx: str, name: str) -> tuple[int, ...] | None:
 
 
 class _LaunchCfg:
-    __slots__ = ("cc", "coop", "priority")
+    """A validated launch geometry: cuda.core's LaunchConfig, and for plain
+    launches (no cluster, cooperation or priority) the seven numbers
+    ``cuLaunchKernel`` takes."""
 
-    def __init__(self, cc: Any, coop: bool, priority: int | None) -> None:
+    __slots__ = ("cc", "coop", "dims", "priority")
+
+    def __init__(
+        self, cc: Any, coop: bool, priority: int | None, dims: tuple[int, ...] | None = None
+    ) -> None:
         self.cc = cc
         self.coop = coop
         self.priority = priority
+        self.dims = dims
 
 
 class CudaStream(_PolledStream):
@@ -271,6 +293,7 @@ class CudaStream(_PolledStream):
             self._events = None
             self._completed = self._completed_counter  # type: ignore[method-assign]
         self._host_ops = 0
+        self._param_mem: dict[_ArgPlan, _ParamMemory] = {}
         self.is_closed = False
         self.label = f"cuda:{state.device_id}/s{index}"
 
@@ -300,6 +323,18 @@ class CudaStream(_PolledStream):
 
     def _place_marker(self) -> None:
         seq = self._seq
+        if self._pending is not None:
+            self._pending.append((0, partial(self._issue_marker, seq)))
+        elif self._events is None:
+            err = _write_value64(self.raw, self.caddr, seq, 0)[0]
+            if err != _SUCCESS:
+                raise _error(err, "cuStreamWriteValue64")
+            self._issued_mark = seq
+        else:
+            self._issue_marker(seq)
+        self._marked = seq
+
+    def _issue_marker(self, seq: int) -> None:
         if self._events is None:
             err = _write_value64(self.raw, self.caddr, seq, 0)[0]
             if err != _SUCCESS:
@@ -319,7 +354,10 @@ class CudaStream(_PolledStream):
                     free.append(e)
                     raise _error(err, "cuEventRecord")
                 self._events.append((seq, e))
-        self._marked = seq
+        self._issued_mark = seq
+
+    def _drain_prepare(self) -> None:
+        self.backend.make_current()
 
     def _completed_counter(self) -> int:
         return self._counter.value
@@ -374,15 +412,27 @@ class CudaStream(_PolledStream):
         impl: _CudaFunction = fn._impl
         if impl is None:
             raise UnsupportedError(f"{fn!r} was released")
-        kargs, foreign = _kernel_args(impl, args, self.state)
+        kargs, plan = _kernel_args(impl, args, self.state)
         if constant_memory:
             self.backend.write_constants(impl, constant_memory, self)
         with self._submit_lock:
             self._before_submit()
             # Arrays of other libraries (CuPy, PyTorch): order the launch after
             # their producer stream, and that stream after the launch.
-            waits = _interop.launch_streams(self, args) if foreign else ()
-            if cfg.priority is None:
+            waits = _interop.launch_streams(self, args) if plan.foreign else ()
+            if self._pending is not None:
+                self._pending.append((self._seq + 1, partial(self._launch_now, impl, cfg, kargs)))
+            elif cfg.dims is not None and plan.packer is not None:
+                # The fast path: the arguments packed into this stream's parameter
+                # memory for the plan (the driver copies them at the call).
+                mem = self._param_mem.get(plan)
+                if mem is None:
+                    mem = self._param_mem[plan] = _ParamMemory(plan.packer.size)
+                plan.packer.pack_into(mem.data, 0, *kargs)
+                err = _cuLaunchKernel(impl.fn, *cfg.dims, self.raw, mem.pointers, 0)[0]
+                if err != _SUCCESS:
+                    raise _error(err, "cuLaunchKernel")
+            elif cfg.priority is None:
                 _launch(self.cs, cfg.cc, impl.kernel, *kargs)
             else:
                 self.backend.launch_raw(self, impl, cfg, kargs)
@@ -392,15 +442,26 @@ class CudaStream(_PolledStream):
         self._prune()
         return ev
 
+    def _launch_now(self, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any]) -> None:
+        if cfg.priority is None:
+            _launch(self.cs, cfg.cc, impl.kernel, *kargs)
+        else:
+            self.backend.launch_raw(self, impl, cfg, kargs)
+
     def copy(self, dst: Any, src: Any, nbytes: int, keep: Any) -> DeviceEvent:
         if nbytes and (dst._kind == "pageable" or src._kind == "pageable"):
             return self._staged_copy(dst, src, nbytes, keep)
         with self._submit_lock:
             self._before_submit()
             if nbytes:
-                err = cu.cuMemcpyAsync(dst._ptr, src._ptr, nbytes, self.raw)[0]
-                if err != _SUCCESS:
-                    raise _error(err, "cuMemcpyAsync")
+                if self._pending is not None:
+                    self._pending.append(
+                        (self._seq + 1, partial(_memcpy, dst._ptr, src._ptr, nbytes, self.raw))
+                    )
+                else:
+                    err = cu.cuMemcpyAsync(dst._ptr, src._ptr, nbytes, self.raw)[0]
+                    if err != _SUCCESS:
+                        raise _error(err, "cuMemcpyAsync")
             ev = self._mark(keep)
         self._prune()
         return ev
@@ -417,44 +478,52 @@ class CudaStream(_PolledStream):
 
             return self._host_op(_in_pool(fill), keep)
         size = value.dtype.itemsize
-        bits = value.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
-        ptr, s = dst._ptr, self.raw
+        bits = int(value.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]))
         with self._submit_lock:
             self._before_submit()
             if count:
-                if size == 1:
-                    r = cu.cuMemsetD8Async(ptr, int(bits), count, s)
-                elif size == 2:
-                    r = cu.cuMemsetD16Async(ptr, int(bits), count, s)
-                elif size == 4:
-                    r = cu.cuMemsetD32Async(ptr, int(bits), count, s)
+                if self._pending is not None:
+                    self._pending.append(
+                        (self._seq + 1, partial(_memset, dst._ptr, size, bits, count, self.raw))
+                    )
                 else:
-                    lo, hi = int(bits) & 0xFFFFFFFF, int(bits) >> 32
-                    r = cu.cuMemsetD2D32Async(ptr, 8, lo, 1, count, s)
-                    if r[0] == _SUCCESS:
-                        r = cu.cuMemsetD2D32Async(ptr + 4, 8, hi, 1, count, s)
-                _check(r, "cuMemsetAsync")
+                    _memset(dst._ptr, size, bits, count, self.raw)
             return self._mark(keep)
 
     def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
         other = ev._stream
-        if ev._done or ev.query():
+        if ev._done or other is self or ev.query():
             with self._submit_lock:
                 self._before_submit()
                 return self._mark(None)
         if isinstance(other, CudaStream):
             other._need(ev)
+            seq = ev._seq
+            gate: _Gate | None = None
+            if other._pending is not None and other._issued_mark < seq:
+                if not self.owned:
+                    # A wrapped stream: its owner's work must wait too, so it waits
+                    # on the device, on ``other``'s counter.
+                    other.order_handle_after(self.h)
+                    with self._submit_lock:
+                        self._before_submit()
+                        return self._mark(ev)
+                # ``other`` holds ``ev`` back behind host work: hold this stream too,
+                # until ``other`` hands the driver a marker covering ``ev``.
+                gate = _Gate()
+                if not other._when_issued(seq, partial(self._open, gate)):
+                    gate = None
             with self._submit_lock:
                 self._before_submit()
-                if other._events is None:
-                    _check(
-                        cu.cuStreamWaitValue64(self.raw, other.caddr, ev._seq, _GEQ),
-                        "cuStreamWaitValue64",
-                    )
+                if gate is not None and not gate.open:
+                    if self._pending is None:
+                        self._pending = deque((gate,))
+                    else:
+                        self._pending.append(gate)
+                if self._pending is not None:
+                    self._pending.append((self._seq + 1, partial(self._wait_now, other, seq)))
                 else:
-                    e = other._marker_at_or_after(ev._seq)
-                    if e is not None:
-                        _check(cu.cuStreamWaitEvent(self.raw, e, 0), "cuStreamWaitEvent")
+                    self._wait_now(other, seq)
                 return self._mark(ev)
 
         # An event of a push-completed stream (the CPU device): host work that ends
@@ -463,6 +532,52 @@ class CudaStream(_PolledStream):
             ev.add_done_callback(lambda _e: finish(None, None))
 
         return self._host_op(when_done, ev, after_prev=False)
+
+    def _wait_now(self, other: CudaStream, seq: int) -> None:
+        """This stream waits, on the device, until ``other`` has finished ``seq``."""
+        if other._events is None:
+            _check(cu.cuStreamWaitValue64(self.raw, other.caddr, seq, _GEQ), "cuStreamWaitValue64")
+        else:
+            e = other._marker_at_or_after(seq)
+            if e is not None:
+                _check(cu.cuStreamWaitEvent(self.raw, e, 0), "cuStreamWaitEvent")
+
+    # -- ordering with streams of other libraries (``_interop``) ---------------------------
+
+    def wait_for_handle(self, producer: int) -> None:
+        """Later work here waits, on the device, for what the foreign stream
+        ``producer`` has been given so far (an event recorded on it now)."""
+        with self._submit_lock:
+            if self._pending is None:
+                _interop._stream_waits_for_stream(self.state, self.h, producer)
+                return
+            self.backend.make_current()
+            e = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            try:
+                _check(cu.cuEventRecord(e, cu.CUstream(producer)), "cuEventRecord")
+            except BaseException:
+                cu.cuEventDestroy(e)
+                raise
+            self._pending.append((0, partial(_wait_event_once, self.raw, e)))
+
+    def order_handle_after(self, waiter: int) -> None:
+        """The foreign stream ``waiter`` waits, on the device, for everything
+        enqueued here so far. While this stream is held, that is a wait on its
+        completion counter (the only form that can name work not yet handed to
+        the driver)."""
+        with self._submit_lock:
+            if self._pending is None:
+                _interop._stream_waits_for_stream(self.state, waiter, self.h)
+                return
+            seq = self._seq
+            if self._events is not None:
+                self._pending.append((0, partial(_write_counter, self.raw, self.caddr, seq)))
+            elif self._marked < seq:
+                self._place_marker()
+            _check(
+                cu.cuStreamWaitValue64(cu.CUstream(waiter), self.caddr, seq, _GEQ),
+                "cuStreamWaitValue64",
+            )
 
     # -- host work on the stream -------------------------------------------------------------
 
@@ -474,24 +589,32 @@ class CudaStream(_PolledStream):
     ) -> DeviceEvent:
         """Enqueue host work: ``start(finish)`` is called once the stream has reached
         this point (at once with ``after_prev=False``) and must call ``finish(value,
-        error)`` when done; the device holds later work until then."""
-        sig = self._hostsig
+        error)`` when done; later work on the stream waits until then (held on the
+        host; on the device for a wrapped stream)."""
+        gate: _Gate | None = None
+        k = 0
         with self._submit_lock:
             self._before_submit()
             prev = self.tail() if after_prev else None
             if prev is not None and prev._seq > self._marked:
                 # The host work starts when ``prev`` is seen to finish, so ``prev``
-                # needs a marker *before* the device waits for the host work: one
-                # placed later would wait for that very work (a deadlock).
+                # needs a marker *before* the hold: one placed later would wait
+                # for that very work (a deadlock).
                 self._place_marker()
-            k = self._host_ops = self._host_ops + 1
-            _check(cu.cuStreamWaitValue64(self.raw, self.saddr, k, _GEQ), "cuStreamWaitValue64")
+            if self.owned:
+                gate = self._hold()
+            else:
+                k = self._host_ops = self._host_ops + 1
+                _check(cu.cuStreamWaitValue64(self.raw, self.saddr, k, _GEQ), "cuStreamWaitValue64")
             ev = self._mark(keep)
 
         def finish(value: Any, error: BaseException | None) -> None:
             ev._value = value
             ev._error = error
-            sig.value = k
+            if gate is not None:
+                self._open(gate)
+            else:
+                self._hostsig.value = k
 
         def begin(_e: DeviceEvent | None = None) -> None:
             try:
@@ -570,7 +693,10 @@ class CudaStream(_PolledStream):
     def record(self, ev: DeviceEvent) -> None:
         with self._submit_lock:
             if ev._handle is not None:
-                _check(cu.cuEventRecord(ev._handle, self.raw), "cuEventRecord")
+                if self._pending is not None:
+                    self._pending.append((0, partial(_record, ev._handle, self.raw)))
+                else:
+                    _record(ev._handle, self.raw)
             ev._stream = self
             ev._error = None
             if not self.owned:
@@ -587,8 +713,17 @@ class CudaStream(_PolledStream):
             ev._done = False
             self._inflight.append(ev)
 
+    def record_raw(self, e: Any) -> None:
+        """``cuEventRecord`` of a driver event here, in stream order (held or not)."""
+        with self._submit_lock:
+            if self._pending is not None:
+                self._pending.append((0, partial(_record, e, self.raw)))
+            else:
+                _record(e, self.raw)
+
     def _block(self, ev: DeviceEvent) -> None:
         if ev._handle is not None and ev._stream is self:
+            self._settle()  # the record may still be held
             err = cu.cuEventSynchronize(ev._handle)[0]
             if err != _SUCCESS:
                 self._raise_fault(err, "cuEventSynchronize")
@@ -599,6 +734,7 @@ class CudaStream(_PolledStream):
         super()._block(ev)
 
     def synchronize(self) -> None:
+        self._settle()  # cuStreamSynchronize sees only what the driver was given
         tail = self.tail()
         if tail is not None:
             self._need(tail)
@@ -645,6 +781,48 @@ class CudaStream(_PolledStream):
         _slab.give_back(self.saddr)
 
 
+# -- driver calls that a held stream runs later (``_PolledStream._drain``) -----------------
+
+
+def _memcpy(dst: int, src: int, nbytes: int, stream: Any) -> None:
+    err = cu.cuMemcpyAsync(dst, src, nbytes, stream)[0]
+    if err != _SUCCESS:
+        raise _error(err, "cuMemcpyAsync")
+
+
+def _memcpy_htod(dst: int, src: int, nbytes: int, stream: Any) -> None:
+    _check(cu.cuMemcpyHtoDAsync(dst, src, nbytes, stream), "cuMemcpyHtoDAsync")
+
+
+def _memset(ptr: int, size: int, bits: int, count: int, stream: Any) -> None:
+    if size == 1:
+        r = cu.cuMemsetD8Async(ptr, bits, count, stream)
+    elif size == 2:
+        r = cu.cuMemsetD16Async(ptr, bits, count, stream)
+    elif size == 4:
+        r = cu.cuMemsetD32Async(ptr, bits, count, stream)
+    else:
+        r = cu.cuMemsetD2D32Async(ptr, 8, bits & 0xFFFFFFFF, 1, count, stream)
+        if r[0] == _SUCCESS:
+            r = cu.cuMemsetD2D32Async(ptr + 4, 8, bits >> 32, 1, count, stream)
+    _check(r, "cuMemsetAsync")
+
+
+def _record(e: Any, stream: Any) -> None:
+    _check(cu.cuEventRecord(e, stream), "cuEventRecord")
+
+
+def _wait_event_once(stream: Any, e: Any) -> None:
+    try:
+        _check(cu.cuStreamWaitEvent(stream, e, 0), "cuStreamWaitEvent")
+    finally:
+        cu.cuEventDestroy(e)
+
+
+def _write_counter(stream: Any, addr: int, value: int) -> None:
+    _check(_write_value64(stream, addr, value, 0), "cuStreamWriteValue64")
+
+
 def _in_pool(
     body: Callable[[Callable[[Any, BaseException | None], None]], None],
 ) -> Callable[[Callable[[Any, BaseException | None], None]], None]:
@@ -669,40 +847,87 @@ def _in_pool_value(
     return _in_pool(body)
 
 
-def _kernel_args(impl: _CudaFunction, args: tuple[Any, ...], state: _ContextState) -> Sequence[Any]:
-    """The launch arguments for cuda.core: buffers become their addresses. What each
-    position needs is worked out, and the kernel's signature checked, once per
-    tuple of argument types (``_arg_plan``); a repeat costs a dictionary lookup."""
+class _ArgPlan:
+    """How one tuple of argument types is passed to one kernel: the positions to
+    convert (``_BUFFER``: a buffer's address; ``_CAI``: the address in a
+    ``__cuda_array_interface__``), whether any is another library's array, and,
+    when every parameter is a scalar or pointer of at most 8 bytes whose size the
+    signature confirms, a ``struct`` packer that lays the arguments out 8 bytes
+    apart for ``cuLaunchKernel``."""
+
+    __slots__ = ("conv", "foreign", "packer")
+
+    def __init__(self, conv: tuple[tuple[int, int], ...], packer: struct.Struct | None) -> None:
+        self.conv = conv
+        self.foreign = any(kind == _CAI for _, kind in conv)
+        self.packer = packer
+
+
+_BUFFER, _CAI = 0, 1
+# struct codes of NumPy scalar kinds and sizes (little-endian, no padding: '<').
+_PACK_CODES = {
+    ("f", 2): "e", ("f", 4): "f", ("f", 8): "d", ("b", 1): "?",
+    ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
+    ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q",
+}  # fmt: skip
+
+
+class _ParamMemory:
+    """A stream's parameter memory for one plan: 8 bytes per argument and the
+    array of pointers to them that ``cuLaunchKernel`` reads (used under the
+    stream's submit lock; the driver copies the values during the call)."""
+
+    __slots__ = ("_ptrs", "data", "pointers")
+
+    def __init__(self, nbytes: int) -> None:
+        n = max(nbytes // 8, 1)
+        self.data = (ctypes.c_uint64 * n)()
+        base = ctypes.addressof(self.data)
+        self._ptrs = (ctypes.c_uint64 * n)(*(base + 8 * i for i in range(n)))
+        self.pointers = ctypes.addressof(self._ptrs) if nbytes else 0
+
+
+_cuLaunchKernel = cu.cuLaunchKernel
+
+
+def _kernel_args(
+    impl: _CudaFunction, args: tuple[Any, ...], state: _ContextState
+) -> tuple[Sequence[Any], _ArgPlan]:
+    """The launch arguments: buffers become their addresses. What each position
+    needs is worked out, and the kernel's signature checked, once per tuple of
+    argument types (``_arg_plan``); a repeat costs a dictionary lookup."""
     key = tuple(map(type, args))
     plan = impl.plans.get(key)
     if plan is None:
         plan = impl.plans[key] = _arg_plan(impl, args)
-    if not plan:
-        return args, False
+    if not plan.conv:
+        return args, plan
     out = list(args)
-    for i, is_buffer in plan:
+    for i, kind in plan.conv:
         a = out[i]
-        if is_buffer:
+        if kind == _BUFFER:
             if a._alloc is None or a._ctx._state.closed:
                 a._check()
             out[i] = a._ptr
         else:
             out[i] = int(a.__cuda_array_interface__["data"][0])
-    return out, not all(b for _, b in plan)
+    return out, plan
 
 
-def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> tuple[tuple[int, bool], ...]:
-    """Validate one tuple of argument types; return the positions to convert
-    (``True``: a buffer, ``False``: an object with ``__cuda_array_interface__``)."""
-    plan: list[tuple[int, bool]] = []
+def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
+    """Validate one tuple of argument types and plan how to pass it."""
+    conv: list[tuple[int, int]] = []
     sizes: list[int] = []
+    codes: list[str] | None = []
     for n, a in enumerate(args):
         t = type(a)
         if t is DeviceBuffer or t is HostBuffer:
-            plan.append((n, True))
+            conv.append((n, _BUFFER))
             sizes.append(8)
+            code: str | None = "Q"
         elif isinstance(a, np.generic):
             sizes.append(a.dtype.itemsize)
+            code = _PACK_CODES.get((a.dtype.kind, a.dtype.itemsize))
         elif t in (int, float, bool, complex):
             reject_python_scalar(n, a)
         elif isinstance(a, np.ndarray):
@@ -711,12 +936,19 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> tuple[tuple[int, bo
                 "into a DeviceBuffer or HostBuffer first"
             )
         elif getattr(a, "__cuda_array_interface__", None) is not None:
-            plan.append((n, False))
+            conv.append((n, _CAI))
             sizes.append(8)
+            code = "Q"
         elif hasattr(a, "handle") and t.__module__.startswith("cuda.core"):
             sizes.append(8)
+            code = None  # cuda.core's launch knows its own objects
         else:
             raise TypeError(f"kernel argument {n} of type {t.__name__} is not supported")
+        if codes is not None:
+            if code is None:
+                codes = None
+            else:
+                codes.append(code + (f"{8 - sizes[-1]}x" if sizes[-1] < 8 else ""))
     want = impl.param_sizes
     if want is not None:
         if len(args) != len(want):
@@ -727,7 +959,8 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> tuple[tuple[int, bo
                     f"kernel {impl.name} argument {n} is {w} bytes, but "
                     f"{type(args[n]).__name__} is {got} bytes"
                 )
-    return tuple(plan)
+    packer = struct.Struct("<" + "".join(codes)) if codes is not None and want is not None else None
+    return _ArgPlan(tuple(conv), packer)
 
 
 class CudaBackend:
@@ -1003,16 +1236,22 @@ class CudaBackend:
         return s
 
     def _wait_for_host_work(self, what: str) -> None:
-        """Loading a module waits, inside the driver, for streams that are held back
-        on the device for host work (seen on the H200, 2026-12-02, with eager and
-        lazy module loading alike). If that host work waits for this thread, the
-        process deadlocks. So wait here first, for at most ``ASYNCGPU_LOAD_WAIT_S``
-        (default 30 s), and raise a clear error instead of hanging."""
+        """Loading a module waits, inside the driver, for streams that wait on the
+        device for host work (seen on the H200, 2026-12-02, with eager and lazy
+        module loading alike). If that host work waits for this thread, the process
+        deadlocks. Only wrapped streams still wait so (asyncgpu's own hold later
+        work on the host); for them, wait here first, for at most
+        ``ASYNCGPU_LOAD_WAIT_S`` (default 30 s), and raise a clear error instead of
+        hanging."""
         limit = float(os.environ.get("ASYNCGPU_LOAD_WAIT_S", "30"))
         t0 = time.monotonic()
         delay = 0.0001
         while True:
-            held = [s for s in list(_all_streams(self)) if s._host_ops > s._hostsig.value]
+            held = [
+                s
+                for s in list(_all_streams(self))
+                if not s.owned and s._host_ops > s._hostsig.value
+            ]
             if not held:
                 return
             if time.monotonic() - t0 > limit:
@@ -1253,7 +1492,10 @@ class CudaBackend:
             cc = LaunchConfig(
                 grid=tuple(grid), block=tuple(block), shmem_size=shmem, is_cooperative=coop
             )
-        return _LaunchCfg(cc, coop, priority)
+        dims = None
+        if cluster is None and not coop and priority is None:
+            dims = (*tuple(grid), *tuple(block), int(shmem))
+        return _LaunchCfg(cc, coop, priority, dims)
 
     def launch_raw(
         self, stream: CudaStream, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any]
@@ -1307,10 +1549,12 @@ class CudaBackend:
                 )
             staging = np.frombuffer(data, np.uint8).copy()
             with stream._submit_lock:
-                _check(
-                    cu.cuMemcpyHtoDAsync(dptr, staging.ctypes.data, len(data), stream.raw),
-                    "cuMemcpyHtoDAsync",
-                )
+                stream._before_submit()
+                copy = partial(_memcpy_htod, dptr, staging.ctypes.data, len(data), stream.raw)
+                if stream._pending is not None:
+                    stream._pending.append((stream._seq + 1, copy))
+                else:
+                    copy()
                 stream._mark(staging)
 
     def function_attribute(self, fn: DeviceFunction, attr: int) -> int:
@@ -1333,9 +1577,10 @@ class CudaBackend:
         start = _check(cu.cuEventCreate(0), "cuEventCreate")
         end = _check(cu.cuEventCreate(0), "cuEventCreate")
         try:
-            _check(cu.cuEventRecord(start, s.raw), "cuEventRecord")
+            s.record_raw(start)
             body()
-            _check(cu.cuEventRecord(end, s.raw), "cuEventRecord")
+            s.record_raw(end)
+            s._settle()
             _check(cu.cuEventSynchronize(end), "cuEventSynchronize")
             ms = float(_check(cu.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
         finally:

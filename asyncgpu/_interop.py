@@ -330,7 +330,11 @@ def _after_producer(impl: _StreamImpl, producer: int | None) -> bool:
     ``impl`` itself)."""
     if producer is None or producer == impl.handle():
         return False
-    _stream_waits_for_stream(impl.state, impl.handle(), producer)
+    wait = getattr(impl, "wait_for_handle", None)  # CudaStream: right while held, too
+    if wait is not None:
+        wait(producer)
+    else:
+        _stream_waits_for_stream(impl.state, impl.handle(), producer)
     return True
 
 
@@ -359,7 +363,7 @@ class _ForeignOwner:
     def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
         stream = ev._stream
         if stream is not None and not ev._done:
-            _stream_waits_for_stream(self.state, self._handle, stream.handle())
+            _foreign_waits_for(self.state, self._handle, stream)
         return ev
 
 
@@ -386,6 +390,17 @@ def _stream_waits_for_stream(state: _ContextState, waiter: int, producer: int) -
         _check_cu(cu.cuStreamWaitEvent(cu.CUstream(waiter), e, 0), "cuStreamWaitEvent")
     finally:
         cu.cuEventDestroy(e)
+
+
+def _foreign_waits_for(state: _ContextState, waiter: int, impl: Any) -> None:
+    """The foreign stream ``waiter`` waits on the device for everything enqueued on
+    the asyncgpu stream ``impl`` so far, including work it still holds behind
+    host work (``CudaStream.order_handle_after``)."""
+    order = getattr(impl, "order_handle_after", None)
+    if order is not None:
+        order(waiter)
+    else:
+        _stream_waits_for_stream(state, waiter, impl.handle())
 
 
 def _pointer_device(ptr: int) -> int | None:
@@ -642,7 +657,7 @@ def launch_done(impl: _StreamImpl, streams: Sequence[int]) -> None:
     ``launch_streams`` wait, on the device, for the kernel (and everything else
     submitted to ``impl`` so far)."""
     for h in streams:
-        _stream_waits_for_stream(impl.state, h, impl.handle())
+        _foreign_waits_for(impl.state, h, impl)
 
 
 # -- exporting ---------------------------------------------------------------------------
@@ -731,9 +746,8 @@ def export_dlpack(
             )
         if s != -1:
             consumer = _LEGACY_STREAM if s is None else s
-            owner = buf._owner.handle()
-            if consumer != owner:
-                _stream_waits_for_stream(buf._ctx._state, consumer, owner)
+            if consumer != buf._owner.handle():
+                _foreign_waits_for(buf._ctx._state, consumer, buf._owner)
     elif s is not None and s != -1:
         raise BufferError("host memory is exported without a stream: pass stream=None")
     arr = np.asarray(_Export(buf, consumer))

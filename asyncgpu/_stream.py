@@ -49,6 +49,15 @@ def _tail_refs(d: deque[Any]) -> int:
 _BASE_REFS = _tail_refs(deque([object()]))
 
 
+class _Gate:
+    """A point in a held stream's queue that later calls wait behind."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = False
+
+
 class _StreamImpl:
     """One stream of one device (backend base class; push completion)."""
 
@@ -163,6 +172,18 @@ class _PolledStream(_StreamImpl):
 
     Subclasses implement ``_place_marker`` (under ``_submit_lock``: a marker for
     everything submitted so far) and ``_completed``.
+
+    Held submission: work enqueued behind host work (a CPU function, a staged
+    copy) is not handed to the driver until that host work has finished. While
+    a stream is held, ``_pending`` is a deque of driver calls ``(seq, call)``
+    and ``_Gate`` objects; a gate blocks the calls behind it until it opens,
+    and the thread that opens it hands them to the driver (``_drain``). So no
+    stream ever waits on the device for memory that only the host writes: the
+    driver does not see that ordering and may block in other calls (module
+    loads) until such a wait ends, which deadlocks when the host work waits for
+    the blocked thread. ``_issued_mark`` is the highest marker handed to the
+    driver; ``_when_issued`` lets another stream's gate open once a marker
+    covering a given operation has been.
     """
 
     MARK_EVERY = 32
@@ -175,9 +196,13 @@ class _PolledStream(_StreamImpl):
         self._eager = False  # place a marker after every operation
         self._touched = False  # submitted to since the watcher's last sweep
         self._inflight: deque[DeviceEvent] = deque()
-        self._submit_lock = threading.Lock()
+        # Re-entrant: interop helpers submit under a caller's hold of it.
+        self._submit_lock = threading.RLock()
         self._retire_lock = threading.Lock()
         self._fault: BaseException | None = None
+        self._pending: deque[Any] | None = None  # not None: held (see the class doc)
+        self._issued_mark = 0
+        self._issue_waiters: list[tuple[int, Callable[[], None]]] = []
 
     def _completed(self) -> int:
         """The highest sequence number known to have finished (never blocks)."""
@@ -273,6 +298,103 @@ class _PolledStream(_StreamImpl):
                     last_check = now
                     self._check_fault()
         self._retire()
+
+    # -- held submission (see the class docstring) ------------------------------------
+
+    def _hold(self) -> _Gate:
+        """Under ``_submit_lock``: hold everything submitted from now on until the
+        returned gate opens (``_open``)."""
+        gate = _Gate()
+        if self._pending is None:
+            self._pending = deque((gate,))
+        else:
+            self._pending.append(gate)
+        return gate
+
+    def _open(self, gate: _Gate) -> None:
+        """Open ``gate`` and hand what it held back to the driver (any thread)."""
+        gate.open = True
+        self._drain()
+
+    def _drain_prepare(self) -> None:
+        """Called before a drain makes driver calls (CUDA: make the context current)."""
+
+    def _drain(self) -> None:
+        """Hand held calls to the driver, in order, up to the first closed gate."""
+        if self._pending is None:
+            return
+        self._drain_prepare()
+        failed: list[tuple[int, BaseException]] = []
+        with self._submit_lock:
+            p = self._pending
+            while p:
+                item = p[0]
+                if type(item) is _Gate:
+                    if not item.open:
+                        break
+                    p.popleft()
+                    continue
+                p.popleft()
+                try:
+                    item[1]()
+                except Exception as exc:
+                    failed.append((item[0], exc))
+            if p is not None and not p:
+                self._pending = None
+            fire = self._take_issue_waiters()
+        for seq, err in failed:
+            self._submit_failed(seq, err)
+        for cb in fire:
+            cb()
+
+    def _take_issue_waiters(self) -> list[Callable[[], None]]:
+        ws = self._issue_waiters
+        if not ws:
+            return []
+        mark = self._issued_mark
+        ready = [cb for s, cb in ws if s <= mark]
+        if ready:
+            self._issue_waiters = [(s, cb) for s, cb in ws if s > mark]
+        return ready
+
+    def _when_issued(self, seq: int, cb: Callable[[], None]) -> bool:
+        """Call ``cb`` once a marker covering operation ``seq`` has been handed to
+        the driver. False (and no call) if that has already happened."""
+        with self._submit_lock:
+            if self._issued_mark >= seq:
+                return False
+            self._issue_waiters.append((seq, cb))
+            return True
+
+    def _submit_failed(self, seq: int, err: BaseException) -> None:
+        """A held call failed when the driver got it: the operation's awaiters get
+        the error (a failed marker fails everything in flight, which would
+        otherwise never be seen to finish)."""
+        from ._errors import DeviceError
+
+        if not isinstance(err, DeviceError):
+            err = DeviceError(f"submitting held operation #{seq} on {self.label}: {err}")
+        if seq <= 0:
+            self._fail(err)
+            return
+        for ev in list(self._inflight):
+            if ev._seq == seq:
+                if ev._error is None:
+                    ev._error = err
+                return
+
+    def _settle(self) -> None:
+        """Block until everything submitted so far has been handed to the driver."""
+        if self._pending is None:
+            return
+        handed = threading.Event()
+        with self._submit_lock:
+            p = self._pending
+            if p is None:
+                return
+            p.append((0, handed.set))
+        while not handed.wait(0.005):
+            self._check_fault()
 
     # -- faults ----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import secrets
+import sys
 
 import numpy as np
 import pytest
@@ -91,9 +92,14 @@ def gate(ctx):
 HANG_S = float(os.environ.get("ASYNCGPU_TEST_HANG_S", 300))
 
 
+# The process's own stderr: pytest's capture replaces sys.stderr, and faulthandler
+# needs a real file descriptor (the device run uses --capture=sys, so fd 2 is the log).
+_WATCHDOG_FILE = sys.__stderr__
+
+
 @pytest.fixture(autouse=True)
 def _hang_watchdog():
-    faulthandler.dump_traceback_later(HANG_S, exit=True)
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=_WATCHDOG_FILE)
     try:
         yield
     finally:

@@ -225,6 +225,81 @@ def test_cpu_function_holds_later_gpu_work_back(ctx, fns):
     assert np.array_equal(out, x)
 
 
+def test_kernels_compile_and_load_while_cpu_work_holds_a_stream(ctx, fns):
+    """The deadlock seen on the H200 (2026-12-02): a module load waited inside the
+    driver for a stream held back on the device by a CPU function that waited for
+    the loading thread. Held on the host, the load goes through."""
+    s0, s1 = ctx.select_stream(4), ctx.select_stream(5)
+    gate = threading.Event()
+    behind = s0.enqueue_cpu_function(lambda: gate.wait(30))
+    n = 1024
+    d = s0.enqueue_create_buffer(np.float32, n)
+    s0.enqueue_memset(d, np.float32(1))
+    s0.enqueue_function(
+        fns["axpy"], np.float32(1), d, d, np.int32(n), grid_dim=n // 256, block_dim=256
+    )
+    # A source no cache has seen: NVRTC, then a module load, behind the held stream.
+    k = float(rng.integers(1, 1 << 20))
+    src = AXPY.replace("a * x[i] + y[i]", f"a * x[i] + y[i] + {k}f")
+    fresh = s1.compile_function(src, "axpy")
+    e = s1.enqueue_create_buffer(np.float32, n)
+    s1.enqueue_memset(e, np.float32(0))
+    s1.enqueue_function(fresh, np.float32(0), e, e, np.int32(n), grid_dim=n // 256, block_dim=256)
+    got = np.full(n, np.nan, np.float32)
+    s1.enqueue_copy(got, e).synchronize()
+    assert (got == np.float32(k)).all()
+    assert not behind.query()  # the CPU function is still waiting for this thread
+    gate.set()
+    out = np.full(n, np.nan, np.float32)
+    s0.enqueue_copy(out, d).synchronize()
+    assert behind.synchronize() is True
+    assert (out == 2).all()
+
+
+def test_waits_memsets_constants_and_events_behind_held_work_keep_stream_order(ctx, fns):
+    held, other = ctx.select_stream(6), ctx.select_stream(7)
+    n = 4096
+    x = rng.standard_normal(n).astype(np.float32)
+    d = held.enqueue_create_buffer(np.float32, n)
+    e = other.enqueue_create_buffer(np.float32, n)
+    y = held.enqueue_create_buffer(np.float32, n)
+    held.synchronize()
+    other.synchronize()
+    gate = threading.Event()
+    held.enqueue_cpu_function(lambda: gate.wait(30))
+    held.enqueue_copy(d, x)  # pageable: staged on the pool, behind the gate too
+    held.enqueue_memset(y, np.float32(0.5))
+    coeffs = np.array([1, 2, 0, 0], np.float32)
+    held.enqueue_function(
+        fns["poly"],
+        d,
+        y,
+        np.int32(n),
+        grid_dim=n // 256,
+        block_dim=256,
+        constant_memory=[ag.ConstantMemoryMapping("coeffs", coeffs)],
+    )  # y = 1 + 2x
+    mark = ctx.create_event()
+    held.stream().record_event(mark)
+    after = other.enqueue_wait_for(held.stream())  # ``other`` now waits for the gate too
+    other.enqueue_copy(e, y)
+    out = np.full(n, np.nan, np.float32)
+    last = other.enqueue_copy(out, e)
+    assert not mark.query() and not after.query() and not last.query()
+    gate.set()
+    mark.synchronize()
+    last.synchronize()
+    np.testing.assert_allclose(out, 1 + 2 * x, rtol=1e-5, atol=1e-5)
+    ns = held.execution_time(
+        lambda c: (
+            c.enqueue_cpu_function(lambda: None)
+            or c.enqueue_function(fns["spin"], _spin_cycles(ctx, 1), grid_dim=1, block_dim=1)
+        ),
+        2,
+    )
+    assert ns > 1_000_000
+
+
 def test_cpu_range_on_cuda_stream(ctx):
     hits = np.zeros(1000, np.int64)
 

@@ -37,9 +37,11 @@ def test_an_unknown_entry_has_no_signature() -> None:
 
 
 class _HeldStream:
-    """Stands in for a CudaStream: ``_host_ops`` issued, ``_hostsig`` finished."""
+    """Stands in for a wrapped CudaStream (the kind that waits on the device for
+    host work): ``_host_ops`` issued, ``_hostsig`` finished."""
 
     label = "cuda:0/s1"
+    owned = False
 
     def __init__(self, issued: int, done: int) -> None:
         self._host_ops = issued
@@ -110,8 +112,8 @@ def test_kernel_arguments_are_checked_once_per_type_tuple() -> None:
 
     impl = _Impl((4, 8, 8))
     args = (np.float32(2), _Cai(0x1000), _Cai(0x2000))
-    out, foreign = cuda._kernel_args(impl, args, None)
-    assert list(out) == [np.float32(2), 0x1000, 0x2000] and foreign
+    out, plan = cuda._kernel_args(impl, args, None)
+    assert list(out) == [np.float32(2), 0x1000, 0x2000] and plan.foreign
     assert len(impl.plans) == 1
     again = (np.float32(3), _Cai(0x3000), _Cai(0x4000))  # same types: the cached plan
     assert list(cuda._kernel_args(impl, again, None)[0]) == [np.float32(3), 0x3000, 0x4000]
@@ -133,4 +135,31 @@ def test_scalar_only_arguments_pass_through_unchanged() -> None:
 
     impl = _Impl(None)  # a kernel loaded from a cubin: no signature known
     args = (np.int32(1), np.int64(2))
-    assert cuda._kernel_args(impl, args, None) == (args, False)
+    out, plan = cuda._kernel_args(impl, args, None)
+    assert out is args and not plan.foreign
+    assert plan.packer is None  # no signature: no fast packing (cuda.core's launch)
+
+
+def test_plain_arguments_are_packed_8_bytes_apart_for_cuLaunchKernel() -> None:
+    import numpy as np
+
+    impl = _Impl((4, 8, 8, 4))  # axpy(float a, const float* x, float* y, int n)
+    args = (np.float32(1.5), _Cai(0x1000), _Cai(0x2000), np.int32(-7))
+    out, plan = cuda._kernel_args(impl, args, None)
+    assert plan.packer is not None and plan.packer.size == 32
+    mem = cuda._ParamMemory(plan.packer.size)
+    plan.packer.pack_into(mem.data, 0, *out)
+    raw = bytes(mem.data)
+    assert np.frombuffer(raw[0:4], np.float32)[0] == np.float32(1.5)
+    assert np.frombuffer(raw[8:24], np.uint64).tolist() == [0x1000, 0x2000]
+    assert np.frombuffer(raw[24:28], np.int32)[0] == -7
+    pointers = (ctypes.c_uint64 * 4).from_address(mem.pointers)
+    assert [p - pointers[0] for p in pointers] == [0, 8, 16, 24]
+
+
+def test_arguments_without_a_known_signature_are_not_packed() -> None:
+    import numpy as np
+
+    impl = _Impl((16,))  # a by-value struct of 16 bytes: cuda.core's launch packs it
+    arg = np.zeros(1, dtype=[("a", "f8"), ("b", "i8")])[0]
+    assert cuda._kernel_args(impl, (arg,), None)[1].packer is None
