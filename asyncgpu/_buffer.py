@@ -248,11 +248,16 @@ class DeviceBuffer(_BufferBase):
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3 (CUDA device only). ``stream`` is the owning
-        stream, so consumers order their work after ours."""
+        stream, so consumers order their work after ours. If that stream holds
+        work behind CPU work, this blocks until that work has been handed to the
+        driver, so that what the consumer orders after ``stream`` includes it."""
         self._check()
         state = self._ctx._state
         if state.api != "cuda":
             raise AttributeError("__cuda_array_interface__ exists only on CUDA device buffers")
+        settle = getattr(self._owner, "_settle", None)
+        if settle is not None:
+            settle()
         return {
             "shape": (self._size,),
             "typestr": self._dtype.str,

@@ -45,7 +45,7 @@ from ._errors import (
 )
 from ._event import DeviceEvent
 from ._function import DeviceExternalFunction, DeviceFunction, Kernel, reject_python_scalar
-from ._stream import _Gate, _PolledStream, _StreamImpl
+from ._stream import _Gate, _HostResult, _PolledStream, _StreamImpl
 from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
 if TYPE_CHECKING:
@@ -607,10 +607,13 @@ class CudaStream(_PolledStream):
                 k = self._host_ops = self._host_ops + 1
                 _check(cu.cuStreamWaitValue64(self.raw, self.saddr, k, _GEQ), "cuStreamWaitValue64")
             ev = self._mark(keep)
+            # The result waits here until the event is retired in order: a fault
+            # may fail the event first, and must not be overwritten by it.
+            ev._value = result = _HostResult()
 
         def finish(value: Any, error: BaseException | None) -> None:
-            ev._value = value
-            ev._error = error
+            result.value = value
+            result.error = error
             if gate is not None:
                 self._open(gate)
             else:
@@ -1328,10 +1331,10 @@ class CudaBackend:
                     _check(cu.cuEventSynchronize(events[slot]), "cuEventSynchronize")
                     if not to_device:
                         p_off, p_n, _ = pending[slot]  # type: ignore[misc]
-                        np.copyto(host[p_off : p_off + p_n], view[:p_n])
+                        _host_copy(host[p_off : p_off + p_n], view[:p_n])
                     pending[slot] = None
                 if to_device:
-                    np.copyto(view[:n], host[off : off + n])
+                    _host_copy(view[:n], host[off : off + n])
                     _check(
                         cu.cuMemcpyHtoDAsync(dst._ptr + off, ptr, n, stage_stream),
                         "cuMemcpyHtoDAsync",
@@ -1352,7 +1355,7 @@ class CudaBackend:
                 _check(cu.cuEventSynchronize(events[slot]), "cuEventSynchronize")
                 if not to_device:
                     p_off, p_n, _ = pending[slot]  # type: ignore[misc]
-                    np.copyto(host[p_off : p_off + p_n], slots[slot].view[:p_n])
+                    _host_copy(host[p_off : p_off + p_n], slots[slot].view[:p_n])
                 pending[slot] = None
         finally:
             for e in events:
@@ -1708,6 +1711,41 @@ class _PinnedAlloc:
 
     def set_owner(self, stream: _StreamImpl) -> None:
         pass
+
+
+_COPY_PART = 2 << 20
+_COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_copy_pool: Any = None
+_copy_pool_lock = threading.Lock()
+
+
+def _host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto`` of bytes between pageable and pinned memory, split over up to
+    ``_COPY_THREADS`` threads (NumPy releases the GIL while it copies): one
+    thread's memcpy, not the DMA, limits a staged copy. Its own threads, not the
+    CPU pool's, which the staged copy itself may be running on."""
+    n = dst.nbytes
+    parts = min(_COPY_THREADS, n // _COPY_PART)
+    if parts < 2:
+        np.copyto(dst, src)
+        return
+    global _copy_pool
+    if _copy_pool is None:
+        with _copy_pool_lock:
+            if _copy_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                _copy_pool = ThreadPoolExecutor(
+                    _COPY_THREADS - 1, thread_name_prefix="asyncgpu-copy"
+                )
+    bounds = [n * i // parts for i in range(parts + 1)]
+    futures = [
+        _copy_pool.submit(np.copyto, dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]])
+        for i in range(1, parts)
+    ]
+    np.copyto(dst[: bounds[1]], src[: bounds[1]])
+    for f in futures:
+        f.result()
 
 
 def _stage_stream(backend: CudaBackend) -> Any:

@@ -618,6 +618,10 @@ def operand(ctx: DeviceContext, obj: Any, writable: bool) -> Any:
         if _after_producer(impl, producer):
             assert producer is not None
             owner = _ForeignOwner(ctx._state, producer)
+            # An operation after the wait, so that a copy run by host work (a
+            # pageable one, staged on the pool once the stream's last operation
+            # is seen to finish) starts after the producer's work too.
+            _fence(impl)
         return _wrap(ctx, DeviceBuffer, _ForeignAlloc(ptr, obj, None, readonly), dtype, n, owner)
     if not hasattr(obj, "__dlpack__"):
         raise TypeError(f"{type(obj).__name__} is not an array asyncgpu can copy")

@@ -49,6 +49,18 @@ def _tail_refs(d: deque[Any]) -> int:
 _BASE_REFS = _tail_refs(deque([object()]))
 
 
+class _HostResult:
+    """The value or error of host work on a polled stream, kept in the event's
+    ``_value`` until the event is retired in order (a fault that fails the event
+    first must not be overwritten by the host work finishing later)."""
+
+    __slots__ = ("error", "value")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
 class _Gate:
     """A point in a held stream's queue that later calls wait behind."""
 
@@ -258,7 +270,11 @@ class _PolledStream(_StreamImpl):
                 done.append(inflight.popleft())
             empty = not inflight
         for ev in done:
-            ev._finish(ev._value, ev._error)
+            v = ev._value
+            if type(v) is _HostResult:  # host work (CUDA): its staged result
+                ev._finish(v.value, v.error)
+            else:
+                ev._finish(v, ev._error)
         return empty
 
     def _poll(self, ev: DeviceEvent) -> bool:
@@ -471,14 +487,25 @@ class DeviceStream:
 
     @property
     def handle(self) -> int:
-        """The native stream handle as an int (``CUstream``; 0 on the CPU device)."""
+        """The native stream handle as an int (``CUstream``; 0 on the CPU device).
+
+        Work you submit to it yourself runs after everything enqueued here so far:
+        if the stream holds work behind CPU work, this blocks until that work has
+        been handed to the driver."""
+        self._settle()
         return self._impl.handle()
 
     def __cuda_stream__(self) -> tuple[int, int]:
-        """The CUDA stream protocol: ``(0, handle)``."""
+        """The CUDA stream protocol: ``(0, handle)`` (blocks as ``handle`` does)."""
         if self._impl.state.api != "cuda":
             raise TypeError("__cuda_stream__ is only defined for CUDA streams")
+        self._settle()
         return (0, self._impl.handle())
+
+    def _settle(self) -> None:
+        settle = getattr(self._impl, "_settle", None)
+        if settle is not None:
+            settle()
 
     def __await__(self) -> Generator[Any, None, None]:
         self._ctx._check_open()

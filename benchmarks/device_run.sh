@@ -21,7 +21,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
-export PYTHONUNBUFFERED=1 ASYNCGPU_CACHE_DIR=/tmp/asyncgpu-kernels
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 ASYNCGPU_CACHE_DIR=/tmp/asyncgpu-kernels
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | wc -l) uncommitted"
@@ -34,7 +34,7 @@ rc=0
 if [ "$MODE" != bench ]; then
   # --capture=sys keeps fd 2 real, so the suite's hang watchdog (ASYNCGPU_TEST_HANG_S)
   # writes every thread's stack into tests.log before it stops the run.
-  ASYNCGPU_TEST_HANG_S=${ASYNCGPU_TEST_HANG_S:-60} timeout "${TEST_TIMEOUT:-300}" \
+  PYTHONFAULTHANDLER=1 ASYNCGPU_TEST_HANG_S=${ASYNCGPU_TEST_HANG_S:-60} timeout "${TEST_TIMEOUT:-300}" \
     python3 -m pytest -q -rfEs -p no:cacheprovider --capture=sys tests \
     --junitxml="$OUT/tests.xml" > "$OUT/tests.log" 2>&1
   rc=${PIPESTATUS[0]}

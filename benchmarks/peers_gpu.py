@@ -799,6 +799,12 @@ def rt_numba_async_done(gpu: Gpu | None, p: Params) -> dict[str, float]:
 
 
 def _numba_child(device: int, repeats: int, warmup: int) -> dict[str, Any]:
+    import numpy as np
+
+    if not hasattr(np, "row_stack"):
+        # numba-cuda 0.30.4 registers an overload of np.row_stack at import, which
+        # NumPy 2.5 removed; restore the alias (np.vstack) in this child only.
+        np.row_stack = np.vstack  # type: ignore[attr-defined]
     try:
         from numba import cuda
     except BaseException as exc:  # numba raises assorted errors at import

@@ -711,7 +711,10 @@ def test_cubin_from_another_compiler(cuda) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-def test_numba_kernel(cuda) -> None:
+def test_numba_kernel(cuda, monkeypatch) -> None:
+    if not hasattr(np, "row_stack"):
+        # numba-cuda 0.30.4 overloads np.row_stack at import; NumPy 2.5 removed it.
+        monkeypatch.setattr(np, "row_stack", np.vstack, raising=False)
     nb = pytest.importorskip("numba.cuda")
 
     @nb.jit

@@ -69,12 +69,12 @@ def pool_threads() -> list[threading.Thread]:
 
 
 def other_threads() -> set[int]:
-    """Threads that are neither the CPU pool's (a fixed-size pool) nor the CUDA
-    watcher (one thread that stops when idle)."""
+    """Threads that are neither the CPU pool's nor the staged-copy pool's (fixed
+    sizes, made once) nor the CUDA watcher (one thread that stops when idle)."""
     return {
         t.ident or 0
         for t in threading.enumerate()
-        if not t.name.startswith(("asyncgpu-cpu", "asyncgpu-watcher"))
+        if not t.name.startswith(("asyncgpu-cpu", "asyncgpu-copy", "asyncgpu-watcher"))
     }
 
 
