@@ -61,7 +61,7 @@ _SUCCESS = cu.CUresult.CUDA_SUCCESS
 _NOT_READY = cu.CUresult.CUDA_ERROR_NOT_READY
 _GEQ = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
 _SHMEM_DEFAULT_LIMIT = 48 * 1024
-_STAGE_CHUNK = 8 << 20
+_STAGE_CHUNK = 16 << 20
 _STAGE_SLOTS = 3
 _STICKY = {
     cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,
@@ -294,6 +294,7 @@ class CudaStream(_PolledStream):
             self._completed = self._completed_counter  # type: ignore[method-assign]
         self._host_ops = 0
         self._param_mem: dict[_ArgPlan, _ParamMemory] = {}
+        self.external_owner: Any = None
         self.is_closed = False
         self.label = f"cuda:{state.device_id}/s{index}"
 
@@ -734,6 +735,16 @@ class CudaStream(_PolledStream):
             if not ev._done:
                 super()._block(ev)
             return
+        if self.owned and ev._seq == self._seq and self._pending is None:
+            # The stream's last operation: block in the driver, which wakes as soon
+            # as the stream drains (polling with back-off would notice late).
+            self._need(ev)
+            err = cu.cuStreamSynchronize(self.raw)[0]
+            if err != _SUCCESS:
+                self._raise_fault(err, "cuStreamSynchronize")
+            self._retire()
+            if ev._done:
+                return
         super()._block(ev)
 
     def synchronize(self) -> None:
@@ -1282,7 +1293,11 @@ class CudaBackend:
             h = int(handle.ptr)
         else:
             h = int(handle)
-        return CudaStream(state, index, 0, self, external=h)
+        s = CudaStream(state, index, 0, self, external=h)
+        # Keep the other library's stream object alive while we may use its handle
+        # (buffers allocated on it are freed on it, possibly much later).
+        s.external_owner = None if isinstance(handle, int) else handle
+        return s
 
     def alloc_device(self, nbytes: int, stream: _StreamImpl) -> _DeviceAlloc:
         if nbytes == 0:
@@ -1714,7 +1729,7 @@ class _PinnedAlloc:
 
 
 _COPY_PART = 2 << 20
-_COPY_THREADS = max(1, min(4, (os.cpu_count() or 1) // 2))
+_COPY_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
 _copy_pool: Any = None
 _copy_pool_lock = threading.Lock()
 

@@ -309,7 +309,7 @@ class _PolledStream(_StreamImpl):
             now = time.perf_counter()
             if now - t0 > 0.00005:
                 time.sleep(delay)
-                delay = min(delay * 2, 0.001)
+                delay = min(delay * 2, 0.0002)  # noticed at most ~0.2 ms late
                 if now - last_check > 0.005:
                     last_check = now
                     self._check_fault()

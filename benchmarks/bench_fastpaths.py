@@ -119,7 +119,10 @@ def copies(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
     host.as_numpy()[:] = src
     h2d = _event_time_gbps(ctx, lambda: ctx.enqueue_copy(d1, host), nbytes, reps)
     d2h = _event_time_gbps(ctx, lambda: ctx.enqueue_copy(host, d1), nbytes, reps)
-    d2d = _event_time_gbps(ctx, lambda: ctx.enqueue_copy(d2, d1), 2 * nbytes, reps)
+    # As the peer (peers_gpu.copy_d2d): 4 copies per timed window.
+    d2d = _event_time_gbps(
+        ctx, lambda: [ctx.enqueue_copy(d2, d1) for _ in range(4)], 2 * nbytes * 4, reps
+    )
     check = np.empty(n, np.float32)
     ctx.enqueue_copy(check, d2).synchronize()
     if not np.array_equal(check, src):

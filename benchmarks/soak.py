@@ -204,6 +204,11 @@ class Soak:
         if self.done * 10 >= self.next_sample * self.ops and self.next_sample <= 10:
             self.next_sample += 1
             self.samples.append(sample(self.ctx, self.streams, self.done / self.ops, self.t0))
+            print(
+                f"  {self.done} ops  {time.perf_counter() - self.t0:.1f} s  "
+                f"errors {len(self.errors)}",
+                flush=True,
+            )
         return value
 
     async def group(self, kind: str, rnd: random.Random, nrng: np.random.Generator) -> None:
