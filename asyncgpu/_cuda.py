@@ -416,6 +416,8 @@ class CudaStream(_PolledStream):
         kargs, plan = _kernel_args(impl, args, self.state)
         if constant_memory:
             self.backend.write_constants(impl, constant_memory, self)
+        if plan.foreign and self._pending is not None:
+            self._settle()  # the other library's stream will wait for this launch
         with self._submit_lock:
             self._before_submit()
             # Arrays of other libraries (CuPy, PyTorch): order the launch after
@@ -503,8 +505,9 @@ class CudaStream(_PolledStream):
             gate: _Gate | None = None
             if other._pending is not None and other._issued_mark < seq:
                 if not self.owned:
-                    # A wrapped stream: its owner's work must wait too, so it waits
-                    # on the device, on ``other``'s counter.
+                    # A wrapped stream: its owner's work must wait too, so the wait
+                    # is on the device, once ``other``'s held work (the CPU work)
+                    # has reached the driver: this blocks until then.
                     other.order_handle_after(self.h)
                     with self._submit_lock:
                         self._before_submit()
@@ -561,11 +564,17 @@ class CudaStream(_PolledStream):
                 raise
             self._pending.append((0, partial(_wait_event_once, self.raw, e)))
 
-    def order_handle_after(self, waiter: int) -> None:
+    def order_handle_after(self, waiter: int, settle: bool = True) -> None:
         """The foreign stream ``waiter`` waits, on the device, for everything
-        enqueued here so far. While this stream is held, that is a wait on its
-        completion counter (the only form that can name work not yet handed to
-        the driver)."""
+        enqueued here so far. If this stream holds work behind CPU work, this first
+        blocks until that work has reached the driver (``settle``): a device-side
+        wait for it would be a stream waiting on memory that only finishing host
+        work lets the GPU write, and the driver can then block other calls (a
+        synchronous copy of the other library's) until it ends, which deadlocked on
+        the H200 (2026-12-02). Called with this stream's submit lock held
+        (``settle=False``), a stream still held falls back to that counter wait."""
+        if settle:
+            self._settle()
         with self._submit_lock:
             if self._pending is None:
                 _interop._stream_waits_for_stream(self.state, waiter, self.h)

@@ -392,13 +392,14 @@ def _stream_waits_for_stream(state: _ContextState, waiter: int, producer: int) -
         cu.cuEventDestroy(e)
 
 
-def _foreign_waits_for(state: _ContextState, waiter: int, impl: Any) -> None:
+def _foreign_waits_for(state: _ContextState, waiter: int, impl: Any, settle: bool = True) -> None:
     """The foreign stream ``waiter`` waits on the device for everything enqueued on
     the asyncgpu stream ``impl`` so far, including work it still holds behind
-    host work (``CudaStream.order_handle_after``)."""
+    host work (``CudaStream.order_handle_after``, which blocks until that work
+    has been handed to the driver)."""
     order = getattr(impl, "order_handle_after", None)
     if order is not None:
-        order(waiter)
+        order(waiter, settle)
     else:
         _stream_waits_for_stream(state, waiter, impl.handle())
 
@@ -661,7 +662,7 @@ def launch_done(impl: _StreamImpl, streams: Sequence[int]) -> None:
     ``launch_streams`` wait, on the device, for the kernel (and everything else
     submitted to ``impl`` so far)."""
     for h in streams:
-        _foreign_waits_for(impl.state, h, impl)
+        _foreign_waits_for(impl.state, h, impl, settle=False)
 
 
 # -- exporting ---------------------------------------------------------------------------

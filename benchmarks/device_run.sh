@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The one device call: GPU test cases, the benchmarks and the soak, on the lent H200.
-#   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only]
+#   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only] [--skip-bench]
 # Writes under $OUT (at most 8 files): env.txt, tests.log, tests.json, bench.json, bench.log,
 # soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 set -uo pipefail
 OUT=${OUT:-/tmp/asyncgpu-device-out}
 mkdir -p "$OUT"
-MODE=all QUICK=
+MODE=all QUICK= SKIP_BENCH=
 for a in "$@"; do
   case "$a" in
     --quick) QUICK=--quick ;;
     --tests-only) MODE=tests ;;
     --bench-only) MODE=bench ;;
+    --skip-bench) SKIP_BENCH=1 ;;
   esac
 done
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -71,8 +72,10 @@ PY
 fi
 if [ "$MODE" != tests ]; then
   if [ -f benchmarks/run.py ]; then
-    timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-    tail -45 "$OUT/bench.log"
+    if [ -z "$SKIP_BENCH" ]; then
+      timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+      tail -45 "$OUT/bench.log"
+    fi
     ops=1000000; [ -n "$QUICK" ] && ops=100000
     timeout "${SOAK_TIMEOUT:-240}" python3 benchmarks/soak.py --device cuda --ops $ops --tasks 1000 \
       --streams 8 --json "$OUT/soak.json" > "$OUT/soak.log" 2>&1
