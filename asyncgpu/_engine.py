@@ -133,6 +133,14 @@ class _Reactor:
             if heap is not None and (heap[0] <= stream._completed() or stream._fault):
                 del self.pending[stream]  # finished, or failed by the fault
 
+    def wake_deferred(self) -> None:
+        """On the loop (scheduled by another thread's wake-up): complete queued
+        futures from the front, in order, and keep the reactor running while more
+        are queued."""
+        self._wake_some()
+        if self.deferred and self.task is None:
+            self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
+
     def _wake_some(self) -> None:
         d = self.deferred
         for _ in range(min(WAKE_BATCH, len(d))):

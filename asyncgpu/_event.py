@@ -241,8 +241,16 @@ def _wake(waiter: Any, ev: DeviceEvent) -> None:
             else:
                 reactor.deferred.append(waiter.fut)
         else:
-            try:  # noqa: SIM105 (cheaper than contextlib.suppress on this path)
-                waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
+            reactor = waiter.reactor
+            try:
+                if reactor is None:
+                    waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
+                else:
+                    # Through the reactor's queue, like wake-ups on the loop's own
+                    # thread, so that tasks wake in completion order whichever
+                    # thread noticed the completion (the watcher, a pool thread).
+                    reactor.deferred.append(waiter.fut)
+                    waiter.loop.call_soon_threadsafe(reactor.wake_deferred)
             except RuntimeError:
                 pass  # the loop is closed: nobody is left to wake
     else:

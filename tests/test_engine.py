@@ -1,0 +1,39 @@
+"""The completion engine's wake-up order, on any machine.
+
+An asyncio loop's reactor completes the futures of finished GPU work from one
+queue. Completions may be noticed on the loop's thread (the reactor) or on
+another thread (the watcher, a pool thread finishing CPU work); either way the
+awaiting tasks must wake in the order the work finished. The H200 run of
+2026-12-02 showed a task woken early when another thread's wake-up bypassed the
+queue (``test_awaits_resolve_in_submission_order[cuda]``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from asyncgpu._engine import reactor_for
+from asyncgpu._event import _LoopWaiter, _wake
+
+
+@pytest.mark.asyncio
+async def test_wakeups_from_other_threads_keep_completion_order() -> None:
+    loop = asyncio.get_running_loop()
+    reactor = reactor_for(loop)
+    waiters = [_LoopWaiter(loop, reactor) for _ in range(6)]
+    woke: list[int] = []
+    for i, w in enumerate(waiters):
+        w.fut.add_done_callback(lambda _f, i=i: woke.append(i))
+
+    _wake(waiters[0], None)  # noticed by the reactor, on the loop's thread
+    _wake(waiters[1], None)
+    other = threading.Thread(target=lambda: [_wake(w, None) for w in waiters[2:5]])
+    other.start()  # noticed by another thread
+    other.join()
+    _wake(waiters[5], None)  # and by the reactor again
+
+    await asyncio.wait_for(asyncio.gather(*(w.fut for w in waiters)), 10)
+    assert woke == list(range(6))
