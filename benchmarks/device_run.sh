@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The one device call: GPU test cases, the benchmarks and the soak, on the lent H200.
 #   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only] [--skip-bench]
+#                [--sanitize]  (also: the CUDA test cases under compute-sanitizer memcheck)
 # Writes under $OUT (at most 8 files): env.txt, tests.log, tests.json, bench.json, bench.log,
 # soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 set -uo pipefail
 OUT=${OUT:-/tmp/asyncgpu-device-out}
 mkdir -p "$OUT"
-MODE=all QUICK= SKIP_BENCH=
+MODE=all QUICK= SKIP_BENCH= SANITIZE=
 for a in "$@"; do
   case "$a" in
     --quick) QUICK=--quick ;;
     --tests-only) MODE=tests ;;
     --bench-only) MODE=bench ;;
     --skip-bench) SKIP_BENCH=1 ;;
+    --sanitize) SANITIZE=1 ;;
   esac
 done
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -69,6 +71,20 @@ PY
   rm -f "$OUT/tests.xml"
   grep -E "passed|failed" "$OUT/tests.log" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
+fi
+if [ -n "$SANITIZE" ]; then
+  # Issue 6: the CUDA cases under compute-sanitizer's memcheck (use-after-free,
+  # out-of-bounds, leaks of device memory), in one process of their own.
+  CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  if [ -n "$CS" ]; then
+    timeout "${SANITIZE_TIMEOUT:-240}" "$CS" --tool memcheck --leak-check full --error-exitcode 9 \
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_backend.py \
+      tests/test_reliability.py > "$OUT/memcheck.log" 2>&1
+    echo "memcheck rc=$?" | tee -a "$OUT/memcheck.log"
+    grep -E "ERROR SUMMARY|LEAK SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5
+  else
+    echo "compute-sanitizer not found on this machine" | tee "$OUT/memcheck.log"
+  fi
 fi
 if [ "$MODE" != tests ]; then
   if [ -f benchmarks/run.py ]; then

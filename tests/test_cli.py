@@ -92,6 +92,21 @@ def test_demo_writes_trace_and_png(tmp_path, capsys):
         assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.gpu
+def test_demo_on_the_gpu(tmp_path, capsys, monkeypatch):
+    from conftest import CUDA_DEVICES, NO_CUDA_REASON
+
+    if CUDA_DEVICES == 0:
+        pytest.skip(NO_CUDA_REASON)
+    monkeypatch.setenv("ASYNCGPU_API", "cuda")
+    assert main(["demo", "--out", str(tmp_path), "--batches", "3", "--size", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "verified:" in out and "api=cuda" in out
+    data = json.loads((tmp_path / "asyncgpu-demo-trace.json").read_text())
+    kinds = {e["cat"] for e in data["traceEvents"] if e["ph"] == "X"}
+    assert {"copy", "memset", "kernel", "cpu", "wait"} <= kinds
+
+
 def test_demo_without_matplotlib(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["demo", "--out", str(tmp_path), "--batches", "2", "--size", "512"]) == 0

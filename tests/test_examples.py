@@ -1,5 +1,6 @@
-"""The scripts in examples/ run to completion on the CPU device and verify their
-results. Each one runs as a subprocess with small sizes and writes into tmp_path.
+"""The scripts in examples/ run to completion and verify their results, on the
+CPU device and (where there is one) the GPU. Each one runs as a subprocess with
+small sizes and writes into tmp_path.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ except ImportError:
     HAVE_MPL = False
 
 
-def run_example(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_example(
+    name: str, *args: str, cwd: Path, api: str = "cpu"
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
-        "ASYNCGPU_API": "cpu",
+        "ASYNCGPU_API": api,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     env.pop("ASYNCGPU_TRACE", None)
@@ -61,9 +64,17 @@ def test_examples_folder_has_the_scripts():
     assert {"server.py", "pipeline.py", "dag.py"} <= names
 
 
-def test_pipeline(tmp_path):
+def test_pipeline(tmp_path, api):
     r = run_example(
-        "pipeline.py", "--out", str(tmp_path), "--chunks", "6", "--size", "4096", cwd=tmp_path
+        "pipeline.py",
+        "--out",
+        str(tmp_path),
+        "--chunks",
+        "6",
+        "--size",
+        "4096",
+        cwd=tmp_path,
+        api=api,
     )
     assert "verified:" in r.stdout
     data = check_trace(tmp_path / "pipeline-trace.json")
@@ -75,8 +86,8 @@ def test_pipeline(tmp_path):
     check_png(tmp_path / "pipeline-timeline.png")
 
 
-def test_dag(tmp_path):
-    r = run_example("dag.py", "--out", str(tmp_path), "--size", "2048", cwd=tmp_path)
+def test_dag(tmp_path, api):
+    r = run_example("dag.py", "--out", str(tmp_path), "--size", "2048", cwd=tmp_path, api=api)
     assert "verified:" in r.stdout
     data = check_trace(tmp_path / "dag-trace.json")
     flows = [e for e in data["traceEvents"] if e["ph"] == "s"]
@@ -85,10 +96,10 @@ def test_dag(tmp_path):
 
 
 @pytest.mark.parametrize("as_json", [False, True])
-def test_server(tmp_path, as_json):
-    args = ["--device", "cpu", "--requests", "40", "--concurrency", "8", "--size", "512"]
+def test_server(tmp_path, as_json, api):
+    args = ["--device", api, "--requests", "40", "--concurrency", "8", "--size", "512"]
     r = run_example("server.py", *args, "--out", str(tmp_path), *(["--json"] if as_json else []),
-                    cwd=tmp_path)  # fmt: skip
+                    cwd=tmp_path, api=api)  # fmt: skip
     saved = json.loads((tmp_path / "server-results.json").read_text())
     assert saved["verified"] is True
     assert [run["mode"] for run in saved["runs"]] == ["await", "sync"]
