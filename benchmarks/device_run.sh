@@ -2,12 +2,13 @@
 # The one device call: GPU test cases, the benchmarks and the soak, on the lent H200.
 #   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only] [--skip-bench]
 #                [--sanitize]  (also: the CUDA test cases under compute-sanitizer memcheck)
+#                [--exit-check] (also: each test file in its own process, with its exit status)
 # Writes under $OUT (at most 8 files): env.txt, tests.log, tests.json, bench.json, bench.log,
 # soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 set -uo pipefail
 OUT=${OUT:-/tmp/asyncgpu-device-out}
 mkdir -p "$OUT"
-MODE=all QUICK= SKIP_BENCH= SANITIZE=
+MODE=all QUICK= SKIP_BENCH= SANITIZE= EXIT_CHECK=
 for a in "$@"; do
   case "$a" in
     --quick) QUICK=--quick ;;
@@ -15,6 +16,7 @@ for a in "$@"; do
     --bench-only) MODE=bench ;;
     --skip-bench) SKIP_BENCH=1 ;;
     --sanitize) SANITIZE=1 ;;
+    --exit-check) EXIT_CHECK=1 ;;
   esac
 done
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -71,6 +73,13 @@ PY
   rm -f "$OUT/tests.xml"
   grep -E "passed|failed" "$OUT/tests.log" | tail -3
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
+fi
+if [ -n "$EXIT_CHECK" ]; then
+  # Which test file's process crashes on the way out (the whole suite's did, 2026-12-02).
+  for f in tests/test_*.py; do
+    timeout 120 python3 -m pytest -q -p no:cacheprovider --capture=sys "$f" > /dev/null 2>&1
+    echo "$(basename "$f") exit=$?"
+  done | tee "$OUT/exit-check.txt"
 fi
 if [ -n "$SANITIZE" ]; then
   # Issue 6: the CUDA cases under compute-sanitizer's memcheck (use-after-free,
