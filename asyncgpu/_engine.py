@@ -337,7 +337,11 @@ class _Watcher:
             if now - last < SPIN_S and items:
                 time.sleep(0)
             else:
-                time.sleep(delay if items else 0.01)
+                # Park on the condition, not in time.sleep: a new watch() (a CPU
+                # function behind GPU work, a callback) wakes the thread at once.
+                with self._cond:
+                    if not self._stopping:
+                        self._cond.wait(delay if items else 0.01)
                 delay = min(delay * 2, PARK_S)
 
 

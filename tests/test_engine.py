@@ -37,3 +37,27 @@ async def test_wakeups_from_other_threads_keep_completion_order() -> None:
 
     await asyncio.wait_for(asyncio.gather(*(w.fut for w in waiters)), 10)
     assert woke == list(range(6))
+
+
+def test_the_watcher_runs_callbacks_of_polled_work_once_it_finishes() -> None:
+    """``add_done_callback`` on a polled stream's event: the watcher thread notices
+    the completion counter pass the event and calls back (CPU work behind GPU work
+    starts this way)."""
+    from test_held_submission import ModelStream
+
+    class SlowDevice(ModelStream):
+        """Markers reach the device, which writes them only when told to."""
+
+        written = 0
+
+        def _write_counter(self, seq: int) -> None:
+            self.written = seq
+            self._issued_mark = seq
+
+    s = SlowDevice("s", [])
+    ev = s.op("kernel")
+    called = threading.Event()
+    ev.add_done_callback(lambda _e: called.set())  # asks for a marker and a watch
+    assert s.written == ev._seq and not called.is_set()
+    s.counter = s.written  # the device finishes the kernel
+    assert called.wait(10)
