@@ -255,9 +255,7 @@ class DeviceBuffer(_BufferBase):
         state = self._ctx._state
         if state.api != "cuda":
             raise AttributeError("__cuda_array_interface__ exists only on CUDA device buffers")
-        settle = getattr(self._owner, "_settle", None)
-        if settle is not None:
-            settle()
+        self._owner._settle()
         return {
             "shape": (self._size,),
             "typestr": self._dtype.str,

@@ -262,6 +262,7 @@ class CudaStream(_PolledStream):
         priority: int,
         backend: CudaBackend,
         external: int | None = None,
+        external_owner: Any = None,
     ) -> None:
         super().__init__(state, index, priority)
         from cuda.core import Stream
@@ -294,7 +295,7 @@ class CudaStream(_PolledStream):
             self._completed = self._completed_counter  # type: ignore[method-assign]
         self._host_ops = 0
         self._param_mem: dict[_ArgPlan, _ParamMemory] = {}
-        self.external_owner: Any = None
+        self.external_owner = external_owner
         self.is_closed = False
         self.label = f"cuda:{state.device_id}/s{index}"
 
@@ -435,10 +436,8 @@ class CudaStream(_PolledStream):
                 err = _cuLaunchKernel(impl.fn, *cfg.dims, self.raw, mem.pointers, 0)[0]
                 if err != _SUCCESS:
                     raise _error(err, "cuLaunchKernel")
-            elif cfg.priority is None:
-                _launch(self.cs, cfg.cc, impl.kernel, *kargs)
             else:
-                self.backend.launch_raw(self, impl, cfg, kargs)
+                self._launch_now(impl, cfg, kargs)
             ev = self._mark(args)
             if waits:
                 _interop.launch_done(self, waits)
@@ -446,6 +445,7 @@ class CudaStream(_PolledStream):
         return ev
 
     def _launch_now(self, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any]) -> None:
+        """A launch through cuda.core (or ``cuLaunchKernelEx`` for a priority)."""
         if cfg.priority is None:
             _launch(self.cs, cfg.cc, impl.kernel, *kargs)
         else:
@@ -457,14 +457,7 @@ class CudaStream(_PolledStream):
         with self._submit_lock:
             self._before_submit()
             if nbytes:
-                if self._pending is not None:
-                    self._pending.append(
-                        (self._seq + 1, partial(_memcpy, dst._ptr, src._ptr, nbytes, self.raw))
-                    )
-                else:
-                    err = cu.cuMemcpyAsync(dst._ptr, src._ptr, nbytes, self.raw)[0]
-                    if err != _SUCCESS:
-                        raise _error(err, "cuMemcpyAsync")
+                self._issue(self._seq + 1, _memcpy, dst._ptr, src._ptr, nbytes, self.raw)
             ev = self._mark(keep)
         self._prune()
         return ev
@@ -485,12 +478,7 @@ class CudaStream(_PolledStream):
         with self._submit_lock:
             self._before_submit()
             if count:
-                if self._pending is not None:
-                    self._pending.append(
-                        (self._seq + 1, partial(_memset, dst._ptr, size, bits, count, self.raw))
-                    )
-                else:
-                    _memset(dst._ptr, size, bits, count, self.raw)
+                self._issue(self._seq + 1, _memset, dst._ptr, size, bits, count, self.raw)
             return self._mark(keep)
 
     def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
@@ -520,14 +508,8 @@ class CudaStream(_PolledStream):
             with self._submit_lock:
                 self._before_submit()
                 if gate is not None and not gate.open:
-                    if self._pending is None:
-                        self._pending = deque((gate,))
-                    else:
-                        self._pending.append(gate)
-                if self._pending is not None:
-                    self._pending.append((self._seq + 1, partial(self._wait_now, other, seq)))
-                else:
-                    self._wait_now(other, seq)
+                    self._hold(gate)
+                self._issue(self._seq + 1, self._wait_now, other, seq)
                 return self._mark(ev)
 
         # An event of a push-completed stream (the CPU device): host work that ends
@@ -553,7 +535,7 @@ class CudaStream(_PolledStream):
         ``producer`` has been given so far (an event recorded on it now)."""
         with self._submit_lock:
             if self._pending is None:
-                _interop._stream_waits_for_stream(self.state, self.h, producer)
+                super().wait_for_handle(producer)
                 return
             self.backend.make_current()
             e = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
@@ -577,7 +559,7 @@ class CudaStream(_PolledStream):
             self._settle()
         with self._submit_lock:
             if self._pending is None:
-                _interop._stream_waits_for_stream(self.state, waiter, self.h)
+                super().order_handle_after(waiter)
                 return
             seq = self._seq
             if self._events is not None:
@@ -706,10 +688,7 @@ class CudaStream(_PolledStream):
     def record(self, ev: DeviceEvent) -> None:
         with self._submit_lock:
             if ev._handle is not None:
-                if self._pending is not None:
-                    self._pending.append((0, partial(_record, ev._handle, self.raw)))
-                else:
-                    _record(ev._handle, self.raw)
+                self._issue(0, _record, ev._handle, self.raw)
             ev._stream = self
             ev._error = None
             if not self.owned:
@@ -729,10 +708,7 @@ class CudaStream(_PolledStream):
     def record_raw(self, e: Any) -> None:
         """``cuEventRecord`` of a driver event here, in stream order (held or not)."""
         with self._submit_lock:
-            if self._pending is not None:
-                self._pending.append((0, partial(_record, e, self.raw)))
-            else:
-                _record(e, self.raw)
+            self._issue(0, _record, e, self.raw)
 
     def _block(self, ev: DeviceEvent) -> None:
         if ev._handle is not None and ev._stream is self:
@@ -1302,11 +1278,10 @@ class CudaBackend:
             h = int(handle.ptr)
         else:
             h = int(handle)
-        s = CudaStream(state, index, 0, self, external=h)
-        # Keep the other library's stream object alive while we may use its handle
+        # The other library's stream object stays alive while we may use its handle
         # (buffers allocated on it are freed on it, possibly much later).
-        s.external_owner = None if isinstance(handle, int) else handle
-        return s
+        owner = None if isinstance(handle, int) else handle
+        return CudaStream(state, index, 0, self, external=h, external_owner=owner)
 
     def alloc_device(self, nbytes: int, stream: _StreamImpl) -> _DeviceAlloc:
         if nbytes == 0:
@@ -1577,11 +1552,9 @@ class CudaBackend:
             staging = np.frombuffer(data, np.uint8).copy()
             with stream._submit_lock:
                 stream._before_submit()
-                copy = partial(_memcpy_htod, dptr, staging.ctypes.data, len(data), stream.raw)
-                if stream._pending is not None:
-                    stream._pending.append((stream._seq + 1, copy))
-                else:
-                    copy()
+                stream._issue(
+                    stream._seq + 1, _memcpy_htod, dptr, staging.ctypes.data, len(data), stream.raw
+                )
                 stream._mark(staging)
 
     def function_attribute(self, fn: DeviceFunction, attr: int) -> int:

@@ -330,11 +330,7 @@ def _after_producer(impl: _StreamImpl, producer: int | None) -> bool:
     ``impl`` itself)."""
     if producer is None or producer == impl.handle():
         return False
-    wait = getattr(impl, "wait_for_handle", None)  # CudaStream: right while held, too
-    if wait is not None:
-        wait(producer)
-    else:
-        _stream_waits_for_stream(impl.state, impl.handle(), producer)
+    impl.wait_for_handle(producer)
     return True
 
 
@@ -363,8 +359,14 @@ class _ForeignOwner:
     def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
         stream = ev._stream
         if stream is not None and not ev._done:
-            _foreign_waits_for(self.state, self._handle, stream)
+            stream.order_handle_after(self._handle)
         return ev
+
+    def _settle(self) -> None:
+        pass  # another library's stream: asyncgpu holds nothing back on it
+
+    def order_handle_after(self, waiter: int, settle: bool = True) -> None:
+        _stream_waits_for_stream(self.state, waiter, self._handle)
 
 
 def _cuda_driver() -> Any:
@@ -390,18 +392,6 @@ def _stream_waits_for_stream(state: _ContextState, waiter: int, producer: int) -
         _check_cu(cu.cuStreamWaitEvent(cu.CUstream(waiter), e, 0), "cuStreamWaitEvent")
     finally:
         cu.cuEventDestroy(e)
-
-
-def _foreign_waits_for(state: _ContextState, waiter: int, impl: Any, settle: bool = True) -> None:
-    """The foreign stream ``waiter`` waits on the device for everything enqueued on
-    the asyncgpu stream ``impl`` so far, including work it still holds behind
-    host work (``CudaStream.order_handle_after``, which blocks until that work
-    has been handed to the driver)."""
-    order = getattr(impl, "order_handle_after", None)
-    if order is not None:
-        order(waiter, settle)
-    else:
-        _stream_waits_for_stream(state, waiter, impl.handle())
 
 
 def _pointer_device(ptr: int) -> int | None:
@@ -662,7 +652,7 @@ def launch_done(impl: _StreamImpl, streams: Sequence[int]) -> None:
     ``launch_streams`` wait, on the device, for the kernel (and everything else
     submitted to ``impl`` so far)."""
     for h in streams:
-        _foreign_waits_for(impl.state, h, impl, settle=False)
+        impl.order_handle_after(h, settle=False)  # under impl's submit lock
 
 
 # -- exporting ---------------------------------------------------------------------------
@@ -752,7 +742,7 @@ def export_dlpack(
         if s != -1:
             consumer = _LEGACY_STREAM if s is None else s
             if consumer != buf._owner.handle():
-                _foreign_waits_for(buf._ctx._state, consumer, buf._owner)
+                buf._owner.order_handle_after(consumer)
     elif s is not None and s != -1:
         raise BufferError("host memory is exported without a stream: pass stream=None")
     arr = np.asarray(_Export(buf, consumer))

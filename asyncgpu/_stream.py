@@ -22,9 +22,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DeviceFaultError
+from ._errors import DeviceError, DeviceFaultError
 from ._event import DeviceEvent, _loop_waiter
 
 if TYPE_CHECKING:
@@ -134,6 +135,26 @@ class _StreamImpl:
 
     def close(self) -> None:
         """Release the stream (after its work is done)."""
+
+    def _settle(self) -> None:
+        """Block until everything submitted so far has been handed to the driver
+        (only polled streams ever hold work back)."""
+
+    # -- ordering with streams of other libraries (``_interop``; CUDA) ---------------
+
+    def wait_for_handle(self, producer: int) -> None:
+        """Later work here waits, on the device, for what the foreign stream
+        ``producer`` has been given so far."""
+        from . import _interop
+
+        _interop._stream_waits_for_stream(self.state, self.handle(), producer)
+
+    def order_handle_after(self, waiter: int, settle: bool = True) -> None:
+        """The foreign stream ``waiter`` waits, on the device, for everything
+        enqueued here so far."""
+        from . import _interop
+
+        _interop._stream_waits_for_stream(self.state, waiter, self.handle())
 
     def handle(self) -> int:
         """The native handle (``CUstream`` address on CUDA, 0 on the CPU device)."""
@@ -317,15 +338,25 @@ class _PolledStream(_StreamImpl):
 
     # -- held submission (see the class docstring) ------------------------------------
 
-    def _hold(self) -> _Gate:
+    def _hold(self, gate: _Gate | None = None) -> _Gate:
         """Under ``_submit_lock``: hold everything submitted from now on until the
-        returned gate opens (``_open``)."""
-        gate = _Gate()
+        gate (a new one, or ``gate``) opens (``_open``)."""
+        if gate is None:
+            gate = _Gate()
         if self._pending is None:
             self._pending = deque((gate,))
         else:
             self._pending.append(gate)
         return gate
+
+    def _issue(self, seq: int, call: Callable[..., Any], *args: Any) -> None:
+        """Under ``_submit_lock``: ``call(*args)`` (a driver call of operation
+        ``seq``; 0: not an operation of its own) now, or once the gates before it
+        have opened while the stream is held."""
+        if self._pending is None:
+            call(*args)
+        else:
+            self._pending.append((seq, partial(call, *args)))
 
     def _open(self, gate: _Gate) -> None:
         """Open ``gate`` and hand what it held back to the driver (any thread)."""
@@ -386,8 +417,6 @@ class _PolledStream(_StreamImpl):
         """A held call failed when the driver got it: the operation's awaiters get
         the error (a failed marker fails everything in flight, which would
         otherwise never be seen to finish)."""
-        from ._errors import DeviceError
-
         if not isinstance(err, DeviceError):
             err = DeviceError(f"submitting held operation #{seq} on {self.label}: {err}")
         if seq <= 0:
@@ -492,20 +521,15 @@ class DeviceStream:
         Work you submit to it yourself runs after everything enqueued here so far:
         if the stream holds work behind CPU work, this blocks until that work has
         been handed to the driver."""
-        self._settle()
+        self._impl._settle()
         return self._impl.handle()
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol: ``(0, handle)`` (blocks as ``handle`` does)."""
         if self._impl.state.api != "cuda":
             raise TypeError("__cuda_stream__ is only defined for CUDA streams")
-        self._settle()
+        self._impl._settle()
         return (0, self._impl.handle())
-
-    def _settle(self) -> None:
-        settle = getattr(self._impl, "_settle", None)
-        if settle is not None:
-            settle()
 
     def __await__(self) -> Generator[Any, None, None]:
         self._ctx._check_open()

@@ -35,11 +35,7 @@ class ModelStream(_PolledStream):
         return self.counter
 
     def _place_marker(self) -> None:
-        call = partial(self._write_counter, self._seq)
-        if self._pending is not None:
-            self._pending.append((0, call))
-        else:
-            call()
+        self._issue(0, self._write_counter, self._seq)
         self._marked = self._seq
 
     def _write_counter(self, seq: int) -> None:
@@ -52,11 +48,7 @@ class ModelStream(_PolledStream):
     def op(self, what: str, call: Any = None) -> DeviceEvent:
         with self._submit_lock:
             self._before_submit()
-            call = call or partial(self.log.append, (self.name, what))
-            if self._pending is not None:
-                self._pending.append((self._seq + 1, call))
-            else:
-                call()
+            self._issue(self._seq + 1, call or partial(self.log.append, (self.name, what)))
             return self._new_event()
 
     def host_work(self) -> tuple[DeviceEvent, _Gate]:
