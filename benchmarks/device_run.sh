@@ -77,9 +77,12 @@ fi
 if [ -n "$EXIT_CHECK" ]; then
   # Which test file's process crashes on the way out (the whole suite's did, 2026-12-02).
   for f in tests/test_*.py; do
-    timeout 120 python3 -m pytest -q -p no:cacheprovider --capture=sys "$f" > /dev/null 2>&1
-    echo "$(basename "$f") exit=$?"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider --capture=sys "$f" > /tmp/exit-check.log 2>&1
+    code=$?
+    echo "$(basename "$f") exit=$code"
+    [ "$code" -gt 1 ] && grep -A12 "Fatal Python" /tmp/exit-check.log | head -14
   done | tee "$OUT/exit-check.txt"
+  echo "gdb: $(command -v gdb || echo none)" | tee -a "$OUT/exit-check.txt"
 fi
 if [ -n "$SANITIZE" ]; then
   # Issue 6: the CUDA cases under compute-sanitizer's memcheck (use-after-free,
