@@ -468,25 +468,33 @@ class DeviceContext:
         a context (its current stream's work so far), a stream, or an event. The host
         never blocks (``cuStreamWaitValue64`` / ``cuStreamWaitEvent``)."""
         self._check_open()
+        source: _StreamImpl | None = None
         if isinstance(other, DeviceEvent):
             ev: DeviceEvent | None = other
         elif isinstance(other, DeviceContext):
             other._check_open()
-            ev = other._impl.tail()
+            source = other._impl
+            ev = source.tail()
         elif isinstance(other, DeviceStream):
             other._ctx._check_open()
-            ev = other._impl.point()
+            source = other._impl
+            ev = source.point()
         else:
             raise TypeError(
                 f"enqueue_wait_for takes a DeviceContext, DeviceStream or DeviceEvent, not "
                 f"{type(other).__name__}"
             )
         impl = self._impl
-        if ev is None or ev._stream is impl:
+        if source is impl or (ev is not None and ev._stream is impl):
             return _completed()
-        out = impl.wait_event(ev)
-        if self._state.trace is not None:
-            self._state.trace.record(impl, out, "wait", f"wait {ev!r}", 0, (ev,))
+        out = _completed() if ev is None else impl.wait_event(ev)
+        trace = self._state.trace
+        if trace is not None:
+            # The edge comes from what was traced last on the other stream, even when
+            # that work has already finished (so nothing is left to wait for).
+            waits = () if ev is None else (ev,)
+            lanes = () if source is None else (source.label,)
+            trace.record(impl, out, "wait", f"wait {other!r}", 0, waits, lanes)
         return out
 
     # -- memory --------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ class Trace:
         label: str = "",
         nbytes: int = 0,
         waits: tuple[DeviceEvent, ...] = (),
+        after_lanes: tuple[str, ...] = (),
     ) -> TraceNode:
         now = time.perf_counter_ns()
         with self._lock:
@@ -82,8 +83,9 @@ class Trace:
             if prev is not None:
                 deps.append(prev)
                 self.edges.append(TraceEdge(prev, nid, "stream"))
-            for w in waits:
-                src = self._by_event.get(id(w))
+            sources = [self._by_event.get(id(w)) for w in waits]
+            sources += [self._last.get(other) for other in after_lanes]
+            for src in sources:
                 if src is not None and src not in deps:
                     deps.append(src)
                     self.edges.append(TraceEdge(src, nid, "wait"))

@@ -54,6 +54,33 @@ def test_trace_records_a_wait_edge_across_streams(ctx: DeviceContext) -> None:
     assert set(t.streams) == {a.stream, w.stream}
 
 
+def test_a_wait_for_a_stream_whose_work_has_finished_still_draws_the_edge(
+    ctx: DeviceContext,
+) -> None:
+    # Fast devices finish the source's work before the wait is enqueued; the graph
+    # must not depend on that race.
+    s1, s2 = ctx.select_stream(1), ctx.select_stream(2)
+    with ctx.trace() as t:
+        first = s1.enqueue_cpu_function(lambda: 0)
+        first.synchronize()
+        waited = s2.enqueue_wait_for(s1)
+        via_context = s2.enqueue_wait_for(ctx.select_stream(1))
+        s2.synchronize()
+    a, w, v = (t.node_of(e) for e in (first, waited, via_context))
+    assert waited.query() and w.kind == v.kind == "wait"
+    assert TraceEdge(a.id, w.id, "wait") in t.edges
+    assert TraceEdge(a.id, v.id, "wait") in t.edges
+
+
+def test_waiting_for_the_own_stream_records_nothing(ctx: DeviceContext) -> None:
+    with ctx.trace() as t:
+        ctx.enqueue_cpu_function(lambda: 0)
+        ev = ctx.enqueue_wait_for(ctx.stream())
+        ctx.synchronize()
+    assert ev.query() and t.node_of(ev) is None
+    assert [n.kind for n in t.nodes.values()] == ["cpu"]
+
+
 def test_trace_records_the_waits_of_a_cross_stream_copy(
     ctx: DeviceContext, rng: np.random.Generator
 ) -> None:
