@@ -80,6 +80,7 @@ _STICKY = {
 def _error(err: Any, what: str) -> DeviceError:
     code = int(err)
     try:
+        err = cu.CUresult(code)
         name = cu.cuGetErrorName(err)[1].decode()
         desc = cu.cuGetErrorString(err)[1].decode()
     except Exception:
@@ -107,15 +108,51 @@ _tls = threading.local()
 _write_value64 = cu.cuStreamWriteValue64
 
 
+# Hardware queues the driver spreads streams over. With its default of 8, streams
+# 8 apart share a queue, and a completion marker waiting behind a long kernel on
+# one of them holds up the other's work (16 streams of 2 ms kernels took 2x one,
+# H200, 2026-12-02). Set before the driver starts, and only where the user has
+# not chosen a value.
+MAX_CONNECTIONS = "32"
+
+
 def _init_driver() -> int:
     """``cuInit`` + ``cuDeviceGetCount``; raises ``NoDeviceError`` with the reason."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", MAX_CONNECTIONS)
     try:
         err = cu.cuInit(0)[0]
     except RuntimeError as e:  # libcuda.so missing
         raise NoDeviceError(f"no CUDA driver: {e}") from None
     if err != _SUCCESS:
         raise NoDeviceError(f"the CUDA driver did not initialise: {_error(err, 'cuInit')}")
+    _bind_native()
     return int(_check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+# The hot path's direct driver calls (``asyncgpu._native``, a C extension): None
+# where it is not built, or with ASYNCGPU_NATIVE=0; the cuda.bindings calls then.
+_native: Any = None
+
+
+def _entry_point(name: str) -> int:
+    """The driver's entry point of ``name`` for the CUDA 12.0 API (``cuGetProcAddress``)."""
+    flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    res = cu.cuGetProcAddress(name.encode(), 12000, flags)
+    if res[0] != _SUCCESS or not int(res[1]):
+        raise _error(res[0], f"cuGetProcAddress({name})")
+    return int(res[1])
+
+
+def _bind_native() -> None:
+    global _native
+    if _native is not None or os.environ.get("ASYNCGPU_NATIVE", "1") == "0":
+        return
+    try:
+        from . import _native as native
+    except ImportError:
+        return
+    native.bind(_entry_point("cuLaunchKernel"), _entry_point("cuStreamWriteValue64"))
+    _native = native
 
 
 class _CounterSlab:
@@ -191,7 +228,9 @@ class _CudaFunction:
 
     __slots__ = (
         "fn",
+        "handle",
         "kernel",
+        "last",
         "library",
         "name",
         "param_sizes",
@@ -206,11 +245,13 @@ class _CudaFunction:
         self.name = name
         self.raw = cu.CUkernel(int(self.kernel.handle))
         self.fn = cu.CUfunction(int(self.kernel.handle))  # what cuLaunchKernel takes
+        self.handle = int(self.kernel.handle)
         # The signature comes from the PTX, not from the driver: asking the driver
         # (cuda.core's Kernel.arguments_info) blocked on the H200 while a stream of
         # the context was held back for host work (2026-12-02).
         self.param_sizes: tuple[int, ...] | None = _ptx_param_sizes(ptx, name) if ptx else None
         self.plans: dict[tuple[type, ...], _ArgPlan] = {}
+        self.last: _ArgPlan | None = None  # the plan of the last launch (the fast path's)
         self.shmem_optin = _SHMEM_DEFAULT_LIMIT
 
 
@@ -295,6 +336,10 @@ class CudaStream(_PolledStream):
             self._completed = self._completed_counter  # type: ignore[method-assign]
         self._host_ops = 0
         self._param_mem: dict[_ArgPlan, _ParamMemory] = {}
+        if _native is not None:
+            self._write_marker: Callable[[int], Any] = partial(_native.write64, self.h, self.caddr)
+        else:
+            self._write_marker = partial(_write_bindings, raw, self.caddr)
         self.external_owner = external_owner
         self.is_closed = False
         self.label = f"cuda:{state.device_id}/s{index}"
@@ -328,8 +373,8 @@ class CudaStream(_PolledStream):
         if self._pending is not None:
             self._pending.append((0, partial(self._issue_marker, seq)))
         elif self._events is None:
-            err = _write_value64(self.raw, self.caddr, seq, 0)[0]
-            if err != _SUCCESS:
+            err = self._write_marker(seq)
+            if err:
                 raise _error(err, "cuStreamWriteValue64")
             self._issued_mark = seq
         else:
@@ -338,8 +383,8 @@ class CudaStream(_PolledStream):
 
     def _issue_marker(self, seq: int) -> None:
         if self._events is None:
-            err = _write_value64(self.raw, self.caddr, seq, 0)[0]
-            if err != _SUCCESS:
+            err = self._write_marker(seq)
+            if err:
                 raise _error(err, "cuStreamWriteValue64")
         else:
             with self._marker_lock:
@@ -412,6 +457,67 @@ class CudaStream(_PolledStream):
         constant_memory: Sequence[ConstantMemoryMapping],
     ) -> DeviceEvent:
         impl: _CudaFunction = fn._impl
+        plan = impl.last if impl is not None else None
+        if plan is not None and plan.codes is not None and not constant_memory and cfg.dims:
+            # The fast path (``_native``): the last plan of this function, checked,
+            # packed and launched in one C call, with the completion marker when the
+            # stream's completions are being awaited.
+            with self._submit_lock:
+                if self._pending is None:
+                    self._before_submit()
+                    mem = self._param_mem.get(plan) or self._param_memory(plan)
+                    seq = self._seq + 1
+                    eager = self._eager
+                    with_marker = eager and self._events is None  # counter markers
+                    if with_marker:
+                        err = _native.launch(
+                            impl.handle, cfg.dims, self.h, plan.types, plan.codes, args,
+                            mem.addr, mem.pointers, self.caddr, seq,
+                        )  # fmt: skip
+                    else:
+                        err = _native.launch(
+                            impl.handle, cfg.dims, self.h, plan.types, plan.codes, args,
+                            mem.addr, mem.pointers,
+                        )  # fmt: skip
+                    if err == 0:
+                        ev = self._launched(seq, args, with_marker)
+                        if eager and not with_marker:
+                            self._place_marker()
+                        self._prune()
+                        return ev
+                    if err > 0:
+                        self._launch_failed(err, seq, args)
+            # -1: an argument's type is not the last plan's; the general path
+        return self._launch(fn, impl, args, cfg, constant_memory)
+
+    def _launched(self, seq: int, keep: Any, marked: bool) -> DeviceEvent:
+        """``_mark`` for a launch whose marker, if any, went with it."""
+        self._seq = seq
+        ev = DeviceEvent(self, seq, keep)
+        self._inflight.append(ev)
+        if marked:
+            self._marked = self._issued_mark = seq
+        return ev
+
+    def _launch_failed(self, err: int, seq: int, args: tuple[Any, ...]) -> None:
+        if err < _native.MARKER_FAILED:
+            raise _error(err, "cuLaunchKernel")
+        self._launched(seq, args, False)  # the kernel went in; its marker did not
+        raise _error(err - _native.MARKER_FAILED, "cuStreamWriteValue64")
+
+    def _param_memory(self, plan: _ArgPlan) -> _ParamMemory:
+        mem = self._param_mem[plan] = _ParamMemory(8 * len(plan.codes or ()))
+        return mem
+
+    def _launch(
+        self,
+        fn: DeviceFunction,
+        impl: _CudaFunction | None,
+        args: tuple[Any, ...],
+        cfg: Any,
+        constant_memory: Sequence[ConstantMemoryMapping],
+    ) -> DeviceEvent:
+        """Every launch the fast path does not take."""
         if impl is None:
             raise UnsupportedError(f"{fn!r} was released")
         kargs, plan = _kernel_args(impl, args, self.state)
@@ -822,6 +928,11 @@ def _write_counter(stream: Any, addr: int, value: int) -> None:
     _check(_write_value64(stream, addr, value, 0), "cuStreamWriteValue64")
 
 
+def _write_bindings(stream: Any, addr: int, value: int) -> Any:
+    """A completion marker through cuda.bindings (where ``_native`` is not built)."""
+    return _write_value64(stream, addr, value, 0)[0]
+
+
 def _in_pool(
     body: Callable[[Callable[[Any, BaseException | None], None]], None],
 ) -> Callable[[Callable[[Any, BaseException | None], None]], None]:
@@ -852,14 +963,23 @@ class _ArgPlan:
     ``__cuda_array_interface__``), whether any is another library's array, and,
     when every parameter is a scalar or pointer of at most 8 bytes whose size the
     signature confirms, a ``struct`` packer that lays the arguments out 8 bytes
-    apart for ``cuLaunchKernel``."""
+    apart for ``cuLaunchKernel``. ``types`` and ``codes`` are what ``_native``
+    packs by (None where it cannot: another library's arrays, float16, bool)."""
 
-    __slots__ = ("conv", "foreign", "packer")
+    __slots__ = ("codes", "conv", "foreign", "packer", "types")
 
-    def __init__(self, conv: tuple[tuple[int, int], ...], packer: struct.Struct | None) -> None:
+    def __init__(
+        self,
+        conv: tuple[tuple[int, int], ...],
+        packer: struct.Struct | None,
+        types: tuple[type, ...] = (),
+        codes: bytes | None = None,
+    ) -> None:
         self.conv = conv
         self.foreign = any(kind == _CAI for _, kind in conv)
         self.packer = packer
+        self.types = types
+        self.codes = codes if _native is not None and packer is not None else None
 
 
 _BUFFER, _CAI = 0, 1
@@ -876,12 +996,12 @@ class _ParamMemory:
     array of pointers to them that ``cuLaunchKernel`` reads (used under the
     stream's submit lock; the driver copies the values during the call)."""
 
-    __slots__ = ("_ptrs", "data", "pointers")
+    __slots__ = ("_ptrs", "addr", "data", "pointers")
 
     def __init__(self, nbytes: int) -> None:
         n = max(nbytes // 8, 1)
         self.data = (ctypes.c_uint64 * n)()
-        base = ctypes.addressof(self.data)
+        base = self.addr = ctypes.addressof(self.data)
         self._ptrs = (ctypes.c_uint64 * n)(*(base + 8 * i for i in range(n)))
         self.pointers = ctypes.addressof(self._ptrs) if nbytes else 0
 
@@ -899,6 +1019,7 @@ def _kernel_args(
     plan = impl.plans.get(key)
     if plan is None:
         plan = impl.plans[key] = _arg_plan(impl, args)
+    impl.last = plan
     if not plan.conv:
         return args, plan
     out = list(args)
@@ -918,15 +1039,18 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
     conv: list[tuple[int, int]] = []
     sizes: list[int] = []
     codes: list[str] | None = []
+    native: bytes | None = b""
     for n, a in enumerate(args):
         t = type(a)
         if t is DeviceBuffer or t is HostBuffer:
             conv.append((n, _BUFFER))
             sizes.append(8)
             code: str | None = "Q"
+            native_code: bytes | None = b"P"
         elif isinstance(a, np.generic):
             sizes.append(a.dtype.itemsize)
             code = _PACK_CODES.get((a.dtype.kind, a.dtype.itemsize))
+            native_code = code.encode() if code is not None and code in "fdbhiqBHIQ" else None
         elif t in (int, float, bool, complex):
             reject_python_scalar(n, a)
         elif isinstance(a, np.ndarray):
@@ -938,11 +1062,13 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
             conv.append((n, _CAI))
             sizes.append(8)
             code = "Q"
+            native_code = None
         elif hasattr(a, "handle") and t.__module__.startswith("cuda.core"):
             sizes.append(8)
-            code = None  # cuda.core's launch knows its own objects
+            code = native_code = None  # cuda.core's launch knows its own objects
         else:
             raise TypeError(f"kernel argument {n} of type {t.__name__} is not supported")
+        native = None if native is None or native_code is None else native + native_code
         if codes is not None:
             if code is None:
                 codes = None
@@ -959,7 +1085,7 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
                     f"{type(args[n]).__name__} is {got} bytes"
                 )
     packer = struct.Struct("<" + "".join(codes)) if codes is not None and want is not None else None
-    return _ArgPlan(tuple(conv), packer)
+    return _ArgPlan(tuple(conv), packer, tuple(map(type, args)), native)
 
 
 class CudaBackend:

@@ -38,7 +38,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ._event import _LoopWaiter
+from ._event import _LoopWaiter, _set_future
 
 if TYPE_CHECKING:
     from ._event import DeviceEvent
@@ -89,11 +89,15 @@ def cpu_pool() -> ThreadPoolExecutor:
 class _Reactor:
     """Polls the streams awaited from one asyncio loop."""
 
-    __slots__ = ("__weakref__", "deferred", "loop", "pending", "task")
+    __slots__ = ("__weakref__", "deferred", "loop", "park", "pending", "task", "unmarked")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.pending: dict[_PolledStream, list[int]] = {}
+        # Streams with awaited operations that no marker covers yet: one marker
+        # each at the start of the next poll covers all of them (``_need_later``).
+        self.unmarked: set[_PolledStream] = set()
+        self.park: asyncio.Future[Any] | None = None  # set while parked on a timer
         # Futures of finished events, completed WAKE_BATCH per iteration so that a
         # burst of completions never makes one loop iteration long (loop lag).
         self.deferred: deque[asyncio.Future[Any]] = deque()
@@ -110,9 +114,22 @@ class _Reactor:
             heapq.heappush(heap, ev._seq)
         if self.task is None:
             self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
+        elif self.park is not None:
+            _set_future(self.park)  # parked on a timer: poll now instead
         return w.fut
 
+    def _place_markers(self) -> None:
+        unmarked = self.unmarked
+        while unmarked:
+            stream = unmarked.pop()
+            try:
+                stream._mark_needed()
+            except Exception as e:  # the driver refused a marker: nothing will complete
+                stream._fail(e)
+
     def _poll_once(self) -> bool:
+        if self.unmarked:
+            self._place_markers()
         moved = False
         pending = self.pending
         for stream, heap in list(pending.items()):
@@ -150,6 +167,7 @@ class _Reactor:
 
     async def _run(self) -> None:
         sleep = asyncio.sleep
+        loop = self.loop
         last = _monotonic()
         checked = last
         try:
@@ -170,10 +188,20 @@ class _Reactor:
                     checked = now
                     self._check_faults()
                 # Park on a timer, longer the longer nothing has moved (a 200 ms
-                # kernel is noticed within ~4 ms, at ~0.5% of a core).
-                await sleep(min(PARK_MAX_S, max(PARK_S, (now - last) / 10)))
+                # kernel is noticed within ~4 ms, at ~0.5% of a core); a new await
+                # (``add``) ends the park at once.
+                park = self.park = loop.create_future()
+                timer = loop.call_later(
+                    min(PARK_MAX_S, max(PARK_S, (now - last) / 10)), _set_future, park
+                )
+                try:
+                    await park
+                finally:
+                    self.park = None
+                    timer.cancel()
         finally:
             self.task = None
+            self.park = None
             while self.deferred:  # never strand a waiter
                 self._wake_some()
 
@@ -200,10 +228,12 @@ def polled_future(
     """The asyncio await of a polled stream: a future the reactor completes, or
     None when the event finished during a brief inline spin.
 
-    The inline spin happens only for a lone awaiter (the reactor has nothing else
-    pending) while the loop has no other callback ready to run, so it delays no
-    runnable task; it lasts at most ``INLINE_SPIN_S``, about the time a short
-    kernel takes to come back.
+    A lone awaiter (the reactor has nothing else pending, and the loop no other
+    callback ready to run) gets its completion marker at once and spins inline,
+    delaying no runnable task, for at most ``INLINE_SPIN_S``: about the time a
+    short kernel takes to come back. Otherwise the loop is busy, and the marker
+    is left to the reactor's next poll, which places one per stream for all the
+    awaits of a loop iteration (``_PolledStream._need_later``).
     """
     global _last
     last = _last
@@ -212,9 +242,13 @@ def polled_future(
     else:
         reactor = reactor_for(loop)
         _last = (loop, reactor)
+    seq = ev._seq
+    completed = stream._completed
+    if completed() >= seq:
+        stream._retire()
+        return None
     if not reactor.pending and not getattr(loop, "_ready", True):
-        completed = stream._completed
-        seq = ev._seq
+        stream._need(ev)
         deadline = _monotonic() + INLINE_SPIN_S
         while completed() < seq:
             if _monotonic() > deadline:
@@ -222,6 +256,9 @@ def polled_future(
         else:
             stream._retire()
             return None
+    elif seq > stream._marked:
+        stream._need_later(ev)
+        reactor.unmarked.add(stream)
     return reactor.add(stream, ev)
 
 

@@ -227,6 +227,7 @@ class _PolledStream(_StreamImpl):
         self._marked = 0  # sequence number covered by the last marker placed
         self._needed = 0  # highest sequence number whose completion was asked for
         self._eager = False  # place a marker after every operation
+        self._batched = False  # markers come from the reactor's flush (many awaiters)
         self._touched = False  # submitted to since the watcher's last sweep
         self._inflight: deque[DeviceEvent] = deque()
         # Re-entrant: interop helpers submit under a caller's hold of it.
@@ -254,9 +255,28 @@ class _PolledStream(_StreamImpl):
         if ev._seq > self._needed:
             self._needed = ev._seq
         self._eager = True
+        self._batched = False
         if ev._seq > self._marked:
             with self._submit_lock:
                 if ev._seq > self._marked and not ev._done:
+                    self._place_marker()
+
+    def _need_later(self, ev: DeviceEvent) -> None:
+        """Like ``_need``, but the marker is left to ``_mark_needed``, which the
+        reactor calls once per loop iteration: with many tasks awaiting one
+        stream, one marker then covers every operation they enqueued in that
+        iteration instead of one marker each (a marker is a driver call)."""
+        if ev._seq > self._needed:
+            self._needed = ev._seq
+        self._eager = False
+        self._batched = True
+
+    def _mark_needed(self) -> None:
+        """Place one marker for everything submitted so far if an operation that
+        is waited for has none yet."""
+        if self._needed > self._marked:
+            with self._submit_lock:
+                if self._needed > self._marked:
                     self._place_marker()
 
     def _before_submit(self) -> None:
@@ -268,7 +288,9 @@ class _PolledStream(_StreamImpl):
         if inflight:
             tail = inflight[-1]
             if tail._seq > self._marked:
-                if _getrefcount(tail) > _BASE_REFS or tail._seq - self._marked >= self.MARK_EVERY:
+                if tail._seq - self._marked >= self.MARK_EVERY or (
+                    not self._batched and _getrefcount(tail) > _BASE_REFS
+                ):
                     self._place_marker()
             elif self._eager and tail._seq > self._needed and _getrefcount(tail) <= _BASE_REFS:
                 self._eager = False  # nobody awaited or kept the last event: go lazy
@@ -317,7 +339,6 @@ class _PolledStream(_StreamImpl):
     ) -> asyncio.Future[Any] | None:
         from ._engine import polled_future
 
-        self._need(ev)
         return polled_future(self, ev, loop)
 
     def _block(self, ev: DeviceEvent) -> None:

@@ -3,12 +3,14 @@
 #   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only] [--skip-bench]
 #                [--sanitize]  (also: the CUDA test cases under compute-sanitizer memcheck)
 #                [--exit-check] (also: each test file in its own process, with its exit status)
+#                [--gdb=tests/test_x.py] (also: that file under cuda-gdb, for a native backtrace)
+#                [--probe] (also: benchmarks/probe_driver.py, the driver calls' host cost)
 # Writes under $OUT (at most 8 files): env.txt, tests.log, tests.json, bench.json, bench.log,
 # soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 set -uo pipefail
 OUT=${OUT:-/tmp/asyncgpu-device-out}
 mkdir -p "$OUT"
-MODE=all QUICK= SKIP_BENCH= SANITIZE= EXIT_CHECK=
+MODE=all QUICK= SKIP_BENCH= SANITIZE= EXIT_CHECK= GDB_FILE= PROBE= SKIP_SOAK=
 for a in "$@"; do
   case "$a" in
     --quick) QUICK=--quick ;;
@@ -17,6 +19,9 @@ for a in "$@"; do
     --skip-bench) SKIP_BENCH=1 ;;
     --sanitize) SANITIZE=1 ;;
     --exit-check) EXIT_CHECK=1 ;;
+    --gdb=*) GDB_FILE=${a#--gdb=} ;;
+    --probe) PROBE=1 ;;
+    --skip-soak) SKIP_SOAK=1 ;;
   esac
 done
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -84,6 +89,15 @@ if [ -n "$EXIT_CHECK" ]; then
   done | tee "$OUT/exit-check.txt"
   echo "gdb: $(command -v gdb || echo none)" | tee -a "$OUT/exit-check.txt"
 fi
+if [ -n "$GDB_FILE" ]; then
+  # A native backtrace of a crash (no gdb on the image; cuda-gdb debugs host code too).
+  timeout 240 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex "info threads" -ex bt \
+    --args python3 -m pytest -v -p no:cacheprovider --capture=sys "$GDB_FILE" \
+    > /tmp/gdb.log 2>&1
+  echo "cuda-gdb rc=$?" >> /tmp/gdb.log
+  { grep -E "PASSED|FAILED|ERROR" /tmp/gdb.log | tail -5; grep -B2 -A60 "received signal" /tmp/gdb.log; tail -5 /tmp/gdb.log; } > "$OUT/gdb.log"
+  tail -40 "$OUT/gdb.log"
+fi
 if [ -n "$SANITIZE" ]; then
   # Issue 6: the CUDA cases under compute-sanitizer's memcheck (use-after-free,
   # out-of-bounds, leaks of device memory), in one process of their own.
@@ -104,10 +118,15 @@ if [ "$MODE" != tests ]; then
       timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       tail -45 "$OUT/bench.log"
     fi
-    ops=1000000; [ -n "$QUICK" ] && ops=100000
-    timeout "${SOAK_TIMEOUT:-240}" python3 benchmarks/soak.py --device cuda --ops $ops --tasks 1000 \
-      --streams 8 --json "$OUT/soak.json" > "$OUT/soak.log" 2>&1
-    tail -15 "$OUT/soak.log"
+    if [ -n "$PROBE" ]; then
+      timeout 120 python3 benchmarks/probe_driver.py --json "$OUT/probe.json" 2>&1 | tail -20
+    fi
+    if [ -z "$SKIP_SOAK" ]; then
+      ops=1000000; [ -n "$QUICK" ] && ops=100000
+      timeout "${SOAK_TIMEOUT:-240}" python3 benchmarks/soak.py --device cuda --ops $ops --tasks 1000 \
+        --streams 8 --json "$OUT/soak.json" > "$OUT/soak.log" 2>&1
+      tail -15 "$OUT/soak.log"
+    fi
   else
     timeout 300 python3 benchmarks/bench_engine.py $QUICK --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
     timeout 200 python3 benchmarks/peers_gpu.py --quick --json "$OUT/peers.json" 2>&1 | tail -60 | tee "$OUT/peers.log"

@@ -207,14 +207,24 @@ def goal_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         "speed-up, 1 MiB",
     )
     row(
-        "I5.4 fresh-process cache hit / cold compile",
+        "I5.4 fresh-process cache hit / fresh-process compile",
+        ratio(
+            _get(res, "fast_compile", "fresh_process_disk_hit_ms"),
+            _get(res, "fast_compile", "fresh_process_cold_compile_ms"),
+        ),
+        0.01,
+        False,
+        "ms / ms, NVRTC's load included in the compile",
+    )
+    row(
+        "I5.4 fresh-process cache hit / compile with NVRTC loaded",
         ratio(
             _get(res, "fast_compile", "fresh_process_disk_hit_ms"),
             _get(res, "fast_compile", "cold_nvrtc_ms"),
         ),
         0.01,
         False,
-        "ms / ms",
+        "ms / ms (informational: the compile alone)",
     )
     row(
         "I5.5 16 streams x 2 ms / one",
@@ -224,11 +234,11 @@ def goal_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         "wall time",
     )
     row(
-        "I5.5 same, CUDA_DEVICE_MAX_CONNECTIONS=32",
-        _get(res, "fast_overlap", "sixteen_over_one_32_connections"),
+        "I5.5 same, CUDA_DEVICE_MAX_CONNECTIONS=8",
+        _get(res, "fast_overlap", "sixteen_over_one_8_connections"),
         1.15,
         False,
-        "a child process with 32 hardware queues (informational)",
+        "a child process with the driver's 8 hardware queues (informational)",
     )
     row(
         "I5.5 4-stream pipeline speed-up",

@@ -1,0 +1,147 @@
+"""Host cost of the hot path's driver calls, one way against another, in one process:
+``cuLaunchKernel`` and ``cuStreamWriteValue64`` through cuda.bindings, through
+cuda.core's ``launch``, and straight through the driver's entry points
+(``asyncgpu._native``). Also checks that a launch through ``_native`` computes
+what NumPy does.
+
+    python benchmarks/probe_driver.py [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import asyncgpu as ag
+from asyncgpu import _cuda
+
+SRC = r"""
+extern "C" __global__ void empty() {}
+extern "C" __global__ void axpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+"""
+
+
+def per_call_us(fn: Any, sync: Any, calls: int = 5000, rounds: int = 7) -> float:
+    per = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter_ns() - t0) / calls / 1e3)
+        sync()
+    return statistics.median(per)
+
+
+def main() -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--json")
+    a = p.parse_args()
+    from cuda.bindings import driver as cu
+    from cuda.core import LaunchConfig, launch
+
+    out: dict[str, Any] = {"native": _cuda._native is not None}
+    with ag.DeviceContext(api="cuda") as ctx:
+        out["native"] = _cuda._native is not None
+        native = _cuda._native
+        empty = ctx.compile_function(SRC, "empty")._impl
+        axpy = ctx.compile_function(SRC, "axpy")._impl
+        stream = ctx.stream()._impl
+        h, raw, cs = stream.h, stream.raw, stream.cs
+        n = 1 << 10
+        rng = np.random.default_rng()
+        xs = rng.standard_normal(n).astype(np.float32)
+        ys = rng.standard_normal(n).astype(np.float32)
+        x = ctx.enqueue_create_buffer(np.float32, n)
+        y = ctx.enqueue_create_buffer(np.float32, n)
+        ctx.enqueue_copy(x, xs)
+        ctx.enqueue_copy(y, ys)
+        ctx.synchronize()
+        a_, nn = np.float32(1.5), np.int32(n)
+        sync = ctx.synchronize
+        data = (ctypes.c_uint64 * 4)()
+        base = ctypes.addressof(data)
+        ptrs = (ctypes.c_uint64 * 4)(*(base + 8 * i for i in range(4)))
+        paddr = ctypes.addressof(ptrs)
+        packer = _cuda.struct.Struct("<f4xQQi4x")
+        packer.pack_into(data, 0, a_, x.unsafe_ptr(), y.unsafe_ptr(), nn)
+        dims = (4, 1, 1, 256, 1, 1, 0)
+        cfg4 = LaunchConfig(grid=4, block=256)
+        cfg1 = LaunchConfig(grid=1, block=1)
+        counter = _cuda._slab.take()  # a counter of the probe's own
+        seq = [0]
+
+        out["bindings_launch_4args_us"] = per_call_us(
+            lambda: cu.cuLaunchKernel(axpy.fn, 4, 1, 1, 256, 1, 1, 0, raw, paddr, 0), sync
+        )
+        out["bindings_launch_empty_us"] = per_call_us(
+            lambda: cu.cuLaunchKernel(empty.fn, 1, 1, 1, 1, 1, 1, 0, raw, 0, 0), sync
+        )
+        out["core_launch_4args_us"] = per_call_us(
+            lambda: launch(cs, cfg4, axpy.kernel, a_, x.unsafe_ptr(), y.unsafe_ptr(), nn), sync
+        )
+        out["core_launch_empty_us"] = per_call_us(lambda: launch(cs, cfg1, empty.kernel), sync)
+
+        def bump() -> int:
+            seq[0] += 1
+            return seq[0]
+
+        out["bindings_write64_us"] = per_call_us(
+            lambda: cu.cuStreamWriteValue64(raw, counter, bump(), 0), sync
+        )
+        ev = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)[1]
+        out["bindings_event_record_us"] = per_call_us(lambda: cu.cuEventRecord(ev, raw), sync)
+        if native is not None:
+            types = (np.float32, ag.DeviceBuffer, ag.DeviceBuffer, np.int32)
+            codes = b"fPPi"
+            args = (a_, x, y, nn)
+            fn4, fn0 = int(axpy.fn), int(empty.fn)
+            out["native_launch_4args_packed_us"] = per_call_us(
+                lambda: native.launch(fn4, dims, h, types, codes, args, base, paddr), sync
+            )
+            out["native_launch_empty_us"] = per_call_us(
+                lambda: native.launch(fn0, (1, 1, 1, 1, 1, 1, 0), h, (), b"", (), 0, 0), sync
+            )
+            out["native_launch_4args_and_marker_us"] = per_call_us(
+                lambda: native.launch(
+                    fn4, dims, h, types, codes, args, base, paddr, counter, bump()
+                ),
+                sync,
+            )
+            out["native_write64_us"] = per_call_us(lambda: native.write64(h, counter, bump()), sync)
+            # Correctness: one launch through _native, against NumPy.
+            ctx.enqueue_copy(y, ys)
+            sync()
+            err = native.launch(fn4, dims, h, types, codes, args, base, paddr)
+            got = np.empty(n, np.float32)
+            ctx.enqueue_copy(got, y)
+            sync()
+            out["native_launch_err"] = err
+            out["native_axpy_matches_numpy"] = bool(
+                np.allclose(got, 1.5 * xs + ys, rtol=1e-5, atol=1e-5)
+            )
+        sync()
+        cu.cuEventDestroy(ev)
+        _cuda._slab.give_back(counter)
+    for k, v in out.items():
+        print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
