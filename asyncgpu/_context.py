@@ -92,7 +92,12 @@ class _ContextState:
         self.extra_streams: list[_StreamImpl] = []
         self.compiled: dict[Any, DeviceFunction] = {}
         self.limits: dict[DeviceAttribute, int] = {}
-        self.streams[0] = self.backend.new_stream(self, 0, 0)
+        # The pool's streams are made together, one after another: the CUDA driver
+        # hands its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) to
+        # new streams in turn, so streams made together get queues of their own,
+        # and work on one never waits behind another's in a shared queue.
+        for i in range(num_streams):
+            self.streams[i] = self.backend.new_stream(self, i, 0)
 
     def describe(self) -> str:
         return f"{self.api}:{self.device_id}"

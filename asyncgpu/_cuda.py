@@ -108,17 +108,8 @@ _tls = threading.local()
 _write_value64 = cu.cuStreamWriteValue64
 
 
-# Hardware queues the driver spreads streams over. With its default of 8, streams
-# 8 apart share a queue, and a completion marker waiting behind a long kernel on
-# one of them holds up the other's work (16 streams of 2 ms kernels took 2x one,
-# H200, 2026-12-02). Set before the driver starts, and only where the user has
-# not chosen a value.
-MAX_CONNECTIONS = "32"
-
-
 def _init_driver() -> int:
     """``cuInit`` + ``cuDeviceGetCount``; raises ``NoDeviceError`` with the reason."""
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", MAX_CONNECTIONS)
     try:
         err = cu.cuInit(0)[0]
     except RuntimeError as e:  # libcuda.so missing
@@ -211,16 +202,20 @@ class _DeviceAlloc:
                 buf.close(stream.cs)  # type: ignore[attr-defined]
 
     def detach(self) -> None:
-        _detached.append(self.buf)
-        self.buf = None
+        """``take_ptr``: the memory is the caller's from now on, so cuda.core must
+        never free it. cuda.core has no way to give a buffer up, so its Buffer is
+        kept alive for good: a reference that is never dropped, which also keeps
+        it out of the interpreter's teardown (a list of such buffers was emptied
+        at exit, and the freeing on a destroyed stream crashed the process on the
+        H200, 2026-12-03)."""
+        buf, self.buf = self.buf, None
+        if buf is not None:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(buf))
 
     def set_owner(self, stream: _StreamImpl) -> None:
         cs = getattr(stream, "cs", None)
         if self.buf is not None and cs is not None:
             self.buf.set_deallocation_stream(cs)
-
-
-_detached: list[Any] = []
 
 
 class _CudaFunction:
@@ -829,7 +824,7 @@ class CudaStream(_PolledStream):
         if self.owned and ev._seq == self._seq and self._pending is None:
             # The stream's last operation: block in the driver, which wakes as soon
             # as the stream drains (polling with back-off would notice late).
-            self._need(ev)
+            self._need(ev, eager=False)
             err = cu.cuStreamSynchronize(self.raw)[0]
             if err != _SUCCESS:
                 self._raise_fault(err, "cuStreamSynchronize")

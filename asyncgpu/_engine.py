@@ -89,14 +89,11 @@ def cpu_pool() -> ThreadPoolExecutor:
 class _Reactor:
     """Polls the streams awaited from one asyncio loop."""
 
-    __slots__ = ("__weakref__", "deferred", "loop", "park", "pending", "task", "unmarked")
+    __slots__ = ("__weakref__", "deferred", "loop", "park", "pending", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.pending: dict[_PolledStream, list[int]] = {}
-        # Streams with awaited operations that no marker covers yet: one marker
-        # each at the start of the next poll covers all of them (``_need_later``).
-        self.unmarked: set[_PolledStream] = set()
         self.park: asyncio.Future[Any] | None = None  # set while parked on a timer
         # Futures of finished events, completed WAKE_BATCH per iteration so that a
         # burst of completions never makes one loop iteration long (loop lag).
@@ -118,18 +115,7 @@ class _Reactor:
             _set_future(self.park)  # parked on a timer: poll now instead
         return w.fut
 
-    def _place_markers(self) -> None:
-        unmarked = self.unmarked
-        while unmarked:
-            stream = unmarked.pop()
-            try:
-                stream._mark_needed()
-            except Exception as e:  # the driver refused a marker: nothing will complete
-                stream._fail(e)
-
     def _poll_once(self) -> bool:
-        if self.unmarked:
-            self._place_markers()
         moved = False
         pending = self.pending
         for stream, heap in list(pending.items()):
@@ -228,12 +214,10 @@ def polled_future(
     """The asyncio await of a polled stream: a future the reactor completes, or
     None when the event finished during a brief inline spin.
 
-    A lone awaiter (the reactor has nothing else pending, and the loop no other
-    callback ready to run) gets its completion marker at once and spins inline,
-    delaying no runnable task, for at most ``INLINE_SPIN_S``: about the time a
-    short kernel takes to come back. Otherwise the loop is busy, and the marker
-    is left to the reactor's next poll, which places one per stream for all the
-    awaits of a loop iteration (``_PolledStream._need_later``).
+    The inline spin happens only for a lone awaiter (the reactor has nothing else
+    pending) while the loop has no other callback ready to run, so it delays no
+    runnable task; it lasts at most ``INLINE_SPIN_S``, about the time a short
+    kernel takes to come back.
     """
     global _last
     last = _last
@@ -242,13 +226,9 @@ def polled_future(
     else:
         reactor = reactor_for(loop)
         _last = (loop, reactor)
-    seq = ev._seq
-    completed = stream._completed
-    if completed() >= seq:
-        stream._retire()
-        return None
     if not reactor.pending and not getattr(loop, "_ready", True):
-        stream._need(ev)
+        completed = stream._completed
+        seq = ev._seq
         deadline = _monotonic() + INLINE_SPIN_S
         while completed() < seq:
             if _monotonic() > deadline:
@@ -256,9 +236,6 @@ def polled_future(
         else:
             stream._retire()
             return None
-    elif seq > stream._marked:
-        stream._need_later(ev)
-        reactor.unmarked.add(stream)
     return reactor.add(stream, ev)
 
 

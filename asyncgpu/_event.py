@@ -165,12 +165,14 @@ class DeviceEvent:
         stream = self._stream
         if stream is None:
             raise AsyncGPUError("this event was never recorded on a stream")
+        if stream._poll(self):
+            return
         loop = _get_running_loop()
         if loop is not None:
             fut = stream._future(self, loop)
             if fut is not None:
                 yield from fut
-        elif not stream._poll(self):
+        else:
             yield from _await_other(self).__await__()
 
     def _wait_blocking(self) -> None:

@@ -246,10 +246,12 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         if (as_u64(PyTuple_GetItem(dims, i), &d[i]))
             return NULL;
     nargs = PyTuple_Size(argt);
-    if (PyTuple_Size(types) != nargs || PyBytes_Size(codes) != nargs || nargs > MAX_ARGS) {
-        PyErr_SetString(PyExc_ValueError, "launch: the plan does not match the arguments");
+    if (PyBytes_Size(codes) != PyTuple_Size(types) || nargs > MAX_ARGS) {
+        PyErr_SetString(PyExc_ValueError, "launch: a plan has one code per type");
         return NULL;
     }
+    if (PyTuple_Size(types) != nargs)
+        return PyLong_FromLong(-1); /* another number of arguments than the plan's */
     if (nargs && (data == 0 || ptrs == 0)) {
         PyErr_SetString(PyExc_ValueError, "launch: no parameter memory");
         return NULL;

@@ -227,7 +227,6 @@ class _PolledStream(_StreamImpl):
         self._marked = 0  # sequence number covered by the last marker placed
         self._needed = 0  # highest sequence number whose completion was asked for
         self._eager = False  # place a marker after every operation
-        self._batched = False  # markers come from the reactor's flush (many awaiters)
         self._touched = False  # submitted to since the watcher's last sweep
         self._inflight: deque[DeviceEvent] = deque()
         # Re-entrant: interop helpers submit under a caller's hold of it.
@@ -245,38 +244,24 @@ class _PolledStream(_StreamImpl):
     def _place_marker(self) -> None:
         raise NotImplementedError
 
-    def _need(self, ev: DeviceEvent) -> None:
+    def _need(self, ev: DeviceEvent, eager: bool = True) -> None:
         """Make sure a marker covers ``ev`` (placing one now if none does).
 
-        A stream whose completions are being waited for switches to eager
-        markers (one right after each operation, so the device writes it as soon
-        as the work ends); it switches back once its operations' events go
-        unused again (see ``_before_submit``)."""
+        A stream whose completions are being awaited switches to eager markers
+        (one right after each operation, so the device writes it as soon as the
+        work ends); it switches back once its operations' events go unused again
+        (see ``_before_submit``). Blocking waits (``eager=False``) place their
+        marker when they block and leave later operations unmarked: a marker
+        right after a long kernel holds up the next work of every stream that
+        shares the kernel's hardware queue (16 streams of 2 ms kernels took 2x
+        one on the H200, 2026-12-02, with eager markers)."""
         if ev._seq > self._needed:
             self._needed = ev._seq
-        self._eager = True
-        self._batched = False
+        if eager:
+            self._eager = True
         if ev._seq > self._marked:
             with self._submit_lock:
                 if ev._seq > self._marked and not ev._done:
-                    self._place_marker()
-
-    def _need_later(self, ev: DeviceEvent) -> None:
-        """Like ``_need``, but the marker is left to ``_mark_needed``, which the
-        reactor calls once per loop iteration: with many tasks awaiting one
-        stream, one marker then covers every operation they enqueued in that
-        iteration instead of one marker each (a marker is a driver call)."""
-        if ev._seq > self._needed:
-            self._needed = ev._seq
-        self._eager = False
-        self._batched = True
-
-    def _mark_needed(self) -> None:
-        """Place one marker for everything submitted so far if an operation that
-        is waited for has none yet."""
-        if self._needed > self._marked:
-            with self._submit_lock:
-                if self._needed > self._marked:
                     self._place_marker()
 
     def _before_submit(self) -> None:
@@ -288,9 +273,7 @@ class _PolledStream(_StreamImpl):
         if inflight:
             tail = inflight[-1]
             if tail._seq > self._marked:
-                if tail._seq - self._marked >= self.MARK_EVERY or (
-                    not self._batched and _getrefcount(tail) > _BASE_REFS
-                ):
+                if _getrefcount(tail) > _BASE_REFS or tail._seq - self._marked >= self.MARK_EVERY:
                     self._place_marker()
             elif self._eager and tail._seq > self._needed and _getrefcount(tail) <= _BASE_REFS:
                 self._eager = False  # nobody awaited or kept the last event: go lazy
@@ -339,10 +322,11 @@ class _PolledStream(_StreamImpl):
     ) -> asyncio.Future[Any] | None:
         from ._engine import polled_future
 
+        self._need(ev)
         return polled_future(self, ev, loop)
 
     def _block(self, ev: DeviceEvent) -> None:
-        self._need(ev)
+        self._need(ev, eager=False)
         completed = self._completed
         seq = ev._seq
         t0 = last_check = time.perf_counter()

@@ -152,6 +152,13 @@ def test_a_kernel_without_arguments_gets_no_parameter_array(driver: Driver) -> N
     assert driver.launches[0][3] == []
 
 
+def test_another_number_of_arguments_launches_nothing(driver: Driver) -> None:
+    mem = Memory(2)
+    types = (np.float32, np.int32)
+    assert _native.launch(1, DIMS, 2, types, b"fi", (np.float32(1),), mem.addr, mem.pointers) == -1
+    assert driver.launches == []
+
+
 def test_an_argument_of_another_type_launches_nothing(driver: Driver) -> None:
     mem = Memory(2)
     types = (np.float32, np.int32)
