@@ -453,51 +453,43 @@ class CudaStream(_PolledStream):
     ) -> DeviceEvent:
         impl: _CudaFunction = fn._impl
         plan = impl.last if impl is not None else None
-        if plan is not None and plan.codes is not None and not constant_memory and cfg.dims:
-            # The fast path (``_native``): the last plan of this function, checked,
-            # packed and launched in one C call, with the completion marker when the
-            # stream's completions are being awaited.
-            with self._submit_lock:
-                if self._pending is None:
-                    self._before_submit()
-                    mem = self._param_mem.get(plan) or self._param_memory(plan)
-                    seq = self._seq + 1
-                    eager = self._eager
-                    with_marker = eager and self._events is None  # counter markers
-                    if with_marker:
-                        err = _native.launch(
-                            impl.handle, cfg.dims, self.h, plan.types, plan.codes, args,
-                            mem.addr, mem.pointers, self.caddr, seq,
-                        )  # fmt: skip
-                    else:
-                        err = _native.launch(
-                            impl.handle, cfg.dims, self.h, plan.types, plan.codes, args,
-                            mem.addr, mem.pointers,
-                        )  # fmt: skip
-                    if err == 0:
-                        ev = self._launched(seq, args, with_marker)
-                        if eager and not with_marker:
-                            self._place_marker()
-                        self._prune()
-                        return ev
-                    if err > 0:
-                        self._launch_failed(err, seq, args)
-            # -1: an argument's type is not the last plan's; the general path
-        return self._launch(fn, impl, args, cfg, constant_memory)
-
-    def _launched(self, seq: int, keep: Any, marked: bool) -> DeviceEvent:
-        """``_mark`` for a launch whose marker, if any, went with it."""
-        self._seq = seq
-        ev = DeviceEvent(self, seq, keep)
-        self._inflight.append(ev)
-        if marked:
-            self._marked = self._issued_mark = seq
+        if plan is None or plan.codes is None or constant_memory or not cfg.dims:
+            return self._launch(fn, impl, args, cfg, constant_memory)
+        # The fast path (``_native``): the function's last plan, checked, packed and
+        # launched in one C call, with the completion marker when the stream's
+        # completions are being awaited.
+        ev = None
+        with self._submit_lock:
+            if self._pending is None:
+                self._before_submit()
+                mem = self._param_mem.get(plan) or self._param_memory(plan)
+                seq = self._seq + 1
+                eager = self._eager
+                marker = eager and self._events is None  # counter markers only
+                err = _native.launch(
+                    impl.handle, cfg.dims, self.h, plan.types, plan.codes, args,
+                    mem.addr, mem.pointers, self.caddr if marker else 0, seq,
+                )  # fmt: skip
+                if err == 0:
+                    self._seq = seq
+                    ev = DeviceEvent(self, seq, args)
+                    self._inflight.append(ev)
+                    if marker:
+                        self._marked = self._issued_mark = seq
+                    elif eager:
+                        self._place_marker()
+                elif err > 0:
+                    self._launch_failed(err, seq, args)
+        if ev is None:  # held, or -1: the arguments are not the last plan's
+            return self._launch(fn, impl, args, cfg, constant_memory)
+        self._prune()
         return ev
 
     def _launch_failed(self, err: int, seq: int, args: tuple[Any, ...]) -> None:
         if err < _native.MARKER_FAILED:
             raise _error(err, "cuLaunchKernel")
-        self._launched(seq, args, False)  # the kernel went in; its marker did not
+        self._seq = seq  # the kernel went in; its marker did not
+        self._inflight.append(DeviceEvent(self, seq, args))
         raise _error(err - _native.MARKER_FAILED, "cuStreamWriteValue64")
 
     def _param_memory(self, plan: _ArgPlan) -> _ParamMemory:
