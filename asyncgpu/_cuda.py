@@ -816,7 +816,7 @@ class CudaStream(_PolledStream):
         if self.owned and ev._seq == self._seq and self._pending is None:
             # The stream's last operation: block in the driver, which wakes as soon
             # as the stream drains (polling with back-off would notice late).
-            self._need(ev)
+            self._need(ev, eager=False)
             err = cu.cuStreamSynchronize(self.raw)[0]
             if err != _SUCCESS:
                 self._raise_fault(err, "cuStreamSynchronize")

@@ -244,18 +244,16 @@ class _PolledStream(_StreamImpl):
     def _place_marker(self) -> None:
         raise NotImplementedError
 
-    def _need(self, ev: DeviceEvent, eager: bool = False) -> None:
+    def _need(self, ev: DeviceEvent, eager: bool = True) -> None:
         """Make sure a marker covers ``ev`` (placing one now if none does).
 
-        A stream whose completions are awaited or called back (``eager=True``)
-        switches to eager markers (one right after each operation, so the device
-        writes it as soon as the work ends); it switches back once its
-        operations' events go unused again (see ``_before_submit``). Blocking
-        waits, queries, cross-stream waits and the watcher's sweeps place their
-        marker when they need it and leave later operations unmarked: a marker
-        right after a long kernel holds up the next work of every stream that
-        shares the kernel's hardware queue (16 streams of 2 ms kernels took 2x
-        one on the H200, 2026-12-02, with eager markers)."""
+        A stream whose completions are being waited for switches to eager
+        markers (one right after each operation, so the device writes it as soon
+        as the work ends); it switches back once its operations' events go
+        unused again (see ``_before_submit``). Blocking waits (``eager=False``)
+        place their marker when they block and leave later operations unmarked:
+        a marker right after a long kernel holds up the next work of every
+        stream that shares the kernel's hardware queue."""
         if ev._seq > self._needed:
             self._needed = ev._seq
         if eager:
@@ -315,7 +313,7 @@ class _PolledStream(_StreamImpl):
     def _watch(self, ev: DeviceEvent) -> None:
         from ._engine import watcher
 
-        self._need(ev, eager=True)
+        self._need(ev)
         watcher.watch(self, ev._seq)
 
     def _future(
@@ -323,11 +321,11 @@ class _PolledStream(_StreamImpl):
     ) -> asyncio.Future[Any] | None:
         from ._engine import polled_future
 
-        self._need(ev, eager=True)
+        self._need(ev)
         return polled_future(self, ev, loop)
 
     def _block(self, ev: DeviceEvent) -> None:
-        self._need(ev)
+        self._need(ev, eager=False)
         completed = self._completed
         seq = ev._seq
         t0 = last_check = time.perf_counter()
