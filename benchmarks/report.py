@@ -143,9 +143,12 @@ def render(doc: dict[str, Any]) -> str:
         "",
         "### Compile and overlap",
         "",
-        f"Cold NVRTC compile {_f(_m(res, 'fast_compile', 'cold_nvrtc_ms'))} ms; fresh-process "
+        f"A fresh process compiling a new kernel (NVRTC's load included) "
+        f"{_f(_m(res, 'fast_compile', 'fresh_process_cold_compile_ms'))} ms; NVRTC alone, "
+        f"loaded {_f(_m(res, 'fast_compile', 'cold_nvrtc_ms'))} ms; a fresh process's "
         f"disk-cache hit {_f(_m(res, 'fast_compile', 'fresh_process_disk_hit_ms'), '{:.2f}')} "
-        f"ms; in-process repeat "
+        f"ms; `compile_function` from the disk cache, the module's load included, "
+        f"{_f(_m(res, 'fast_compile', 'compile_function_disk_hit_ms'))} ms; in-process repeat "
         f"{_f(_m(res, 'fast_compile', 'in_process_repeat_us'))} µs. 16 streams x 2 ms "
         f"one-block kernel: {_f(_m(res, 'fast_overlap', 'sixteen_streams_ms'), '{:.2f}')} ms "
         f"against {_f(_m(res, 'fast_overlap', 'one_stream_ms'), '{:.2f}')} ms for one "
@@ -167,6 +170,39 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def render_probe(probe: dict[str, Any]) -> str:
+    """The driver-call probe (``probe_driver.py --json``) as a table."""
+    rows = [
+        (
+            "`cuLaunchKernel`, 4 arguments",
+            "bindings_launch_4args_us",
+            "native_launch_4args_packed_us",
+        ),
+        ("`cuLaunchKernel`, no arguments", "bindings_launch_empty_us", "native_launch_empty_us"),
+        ("`cuStreamWriteValue64`", "bindings_write64_us", "native_write64_us"),
+    ]
+    out = [
+        "| driver call (host µs, median) | cuda.bindings | `asyncgpu._native` "
+        "| cuda.core `launch` |",
+        "| --- | --- | --- | --- |",
+    ]
+    core = {0: "core_launch_4args_us", 1: "core_launch_empty_us"}
+    for i, (what, b, n) in enumerate(rows):
+        c = _f(probe.get(core[i]), "{:.2f}") if i in core else ""
+        out.append(
+            f"| {what} | {_f(probe.get(b), '{:.2f}')} | {_f(probe.get(n), '{:.2f}')} | {c} |"
+        )
+    out.append(
+        f"| launch and marker in one call | | "
+        f"{_f(probe.get('native_launch_4args_and_marker_us'), '{:.2f}')} | |"
+    )
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         print(render(json.load(f)))
+    if len(sys.argv) > 2:
+        with open(sys.argv[2]) as f:
+            print()
+            print(render_probe(json.load(f)))
