@@ -25,13 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import asyncgpu as ag
 from asyncgpu import _cuda
 
-SRC = r"""
-extern "C" __global__ void empty() {}
-extern "C" __global__ void axpy(float a, const float* x, float* y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fastpaths import SRC  # its "empty" and "axpy" kernels
 
 
 def per_call_us(fn: Any, sync: Any, calls: int = 5000, rounds: int = 7) -> float:

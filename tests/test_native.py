@@ -71,7 +71,12 @@ def driver() -> Iterator[Driver]:
         yield d
     finally:
         if prev[0]:
-            _native.bind(*prev)
+            _native.bind(*prev)  # the real driver's, where this process bound it
+        else:
+            _kept.append((cl, cw))  # still bound: must outlive the process's last call
+
+
+_kept: list[Any] = []
 
 
 class _State:
