@@ -140,9 +140,10 @@ def _bind_native() -> None:
         return
     try:
         from . import _native as native
-    except ImportError:
-        return
-    native.bind(_entry_point("cuLaunchKernel"), _entry_point("cuStreamWriteValue64"))
+
+        native.bind(_entry_point("cuLaunchKernel"), _entry_point("cuStreamWriteValue64"))
+    except (ImportError, DeviceError, ValueError):
+        return  # not built, or a driver without these entry points: cuda.bindings
     _native = native
 
 

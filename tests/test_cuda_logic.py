@@ -163,3 +163,22 @@ def test_arguments_without_a_known_signature_are_not_packed() -> None:
     impl = _Impl((16,))  # a by-value struct of 16 bytes: cuda.core's launch packs it
     arg = np.zeros(1, dtype=[("a", "f8"), ("b", "i8")])[0]
     assert cuda._kernel_args(impl, (arg,), None)[1].packer is None
+
+
+def test_a_driver_without_the_hot_path_entry_points_leaves_cuda_bindings_in_charge(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(cuda, "_native", None)
+    not_found = cuda.cu.CUresult.CUDA_ERROR_NOT_FOUND
+    monkeypatch.setattr(cuda.cu, "cuGetProcAddress", lambda *a: (not_found, 0, None))
+    cuda._bind_native()
+    assert cuda._native is None
+
+
+def test_asyncgpu_native_0_leaves_cuda_bindings_in_charge(monkeypatch) -> None:
+    monkeypatch.setattr(cuda, "_native", None)
+    monkeypatch.setenv("ASYNCGPU_NATIVE", "0")
+    asked: list[object] = []
+    monkeypatch.setattr(cuda.cu, "cuGetProcAddress", lambda *a: asked.append(a))
+    cuda._bind_native()
+    assert cuda._native is None and asked == []
