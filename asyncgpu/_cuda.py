@@ -45,7 +45,7 @@ from ._errors import (
 )
 from ._event import DeviceEvent
 from ._function import DeviceExternalFunction, DeviceFunction, Kernel, reject_python_scalar
-from ._stream import _Gate, _HostResult, _PolledStream, _StreamImpl
+from ._stream import _Gate, _HardwareQueues, _HostResult, _PolledStream, _StreamImpl
 from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
 if TYPE_CHECKING:
@@ -177,6 +177,45 @@ class _CounterSlab:
 
 
 _slab = _CounterSlab()
+
+
+# -- the driver's hardware queues ----------------------------------------------------------
+
+_queues_lock = threading.Lock()
+_device_queues: dict[int, _HardwareQueues] = {}
+
+
+def _queue_limit() -> int:
+    """Hardware queues the driver gives one device's streams:
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` (1..32), else the driver's default of 8."""
+    try:
+        n = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+    except ValueError:
+        return 8
+    return n if 1 <= n <= 32 else 8
+
+
+def _join_queues(device_id: int, stream: CudaStream) -> _HardwareQueues:
+    """Count ``stream`` among the live streams of its device. Once there are more
+    than hardware queues, some streams share a queue, and no stream of the device
+    places eager markers any more (``_PolledStream._need``)."""
+    with _queues_lock:
+        q = _device_queues.get(device_id)
+        if q is None:
+            q = _device_queues[device_id] = _HardwareQueues(_queue_limit())
+            q.streams = weakref.WeakSet()
+        q.streams.add(stream)
+        if q.solo and len(q.streams) > q.limit:
+            q.solo = False
+            for s in list(q.streams):
+                s._eager = False
+    return q
+
+
+def _leave_queues(q: _HardwareQueues, stream: CudaStream) -> None:
+    with _queues_lock:
+        q.streams.discard(stream)
+        q.solo = len(q.streams) <= q.limit
 
 
 class _DeviceAlloc:
@@ -316,6 +355,7 @@ class CudaStream(_PolledStream):
             self.priority = int(_check(cu.cuStreamGetPriority(raw), "cuStreamGetPriority"))
         self.raw = raw
         self.h = int(raw)
+        self._queues = _join_queues(state.device_id, self)
         self.cs = Stream.from_handle(self.h)
         self.caddr = _slab.take()
         self.saddr = _slab.take()
@@ -830,7 +870,7 @@ class CudaStream(_PolledStream):
         self._settle()  # cuStreamSynchronize sees only what the driver was given
         tail = self.tail()
         if tail is not None:
-            self._need(tail)
+            self._need(tail, eager=False)
         err = cu.cuStreamSynchronize(self.raw)[0]
         if err != _SUCCESS:
             self._raise_fault(err, "cuStreamSynchronize")
@@ -864,6 +904,7 @@ class CudaStream(_PolledStream):
     def close(self) -> None:
         watcher.forget(self)
         self.is_closed = True
+        _leave_queues(self._queues, self)
         with self._marker_lock:
             for e in [*self._free_events, *(x[1] for x in self._events or ())]:
                 cu.cuEventDestroy(e)

@@ -89,7 +89,7 @@ def cpu_pool() -> ThreadPoolExecutor:
 class _Reactor:
     """Polls the streams awaited from one asyncio loop."""
 
-    __slots__ = ("__weakref__", "deferred", "loop", "park", "pending", "task")
+    __slots__ = ("__weakref__", "deferred", "kicked", "loop", "park", "pending", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -98,6 +98,9 @@ class _Reactor:
         # Futures of finished events, completed WAKE_BATCH per iteration so that a
         # burst of completions never makes one loop iteration long (loop lag).
         self.deferred: deque[asyncio.Future[Any]] = deque()
+        # True while a ``wake_deferred`` call from another thread is scheduled, so
+        # a burst of completions noticed off the loop schedules one, not one each.
+        self.kicked = False
         self.task: asyncio.Task[None] | None = None
 
     def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any] | None:
@@ -137,12 +140,31 @@ class _Reactor:
                 del self.pending[stream]  # finished, or failed by the fault
 
     def wake_deferred(self) -> None:
-        """On the loop (scheduled by another thread's wake-up): complete queued
-        futures from the front, in order, and keep the reactor running while more
-        are queued."""
+        """On the loop (scheduled once by another thread's wake-ups, see
+        ``kick``): complete queued futures from the front, in order, and keep the
+        reactor running while more are queued."""
+        self.kicked = False
         self._wake_some()
-        if self.deferred and self.task is None:
-            self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
+        if self.deferred:
+            if self.task is None:
+                self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
+            elif self.park is not None:
+                _set_future(self.park)
+
+    def kick(self, fut: asyncio.Future[Any]) -> None:
+        """From another thread: queue ``fut`` to complete in order on the loop.
+
+        Under the GIL the flag cannot lose a wake-up: ``fut`` is queued before the
+        flag is read, and ``wake_deferred`` clears the flag before it reads the
+        queue. Raises RuntimeError if the loop is closed."""
+        self.deferred.append(fut)
+        if not self.kicked:
+            self.kicked = True
+            try:
+                self.loop.call_soon_threadsafe(self.wake_deferred)
+            except RuntimeError:
+                self.kicked = False
+                raise
 
     def _wake_some(self) -> None:
         d = self.deferred
@@ -215,9 +237,9 @@ def polled_future(
     None when the event finished during a brief inline spin.
 
     The inline spin happens only for a lone awaiter (the reactor has nothing else
-    pending) while the loop has no other callback ready to run, so it delays no
-    runnable task; it lasts at most ``INLINE_SPIN_S``, about the time a short
-    kernel takes to come back.
+    pending) while the loop has no other callback ready to run (the idle
+    reactor's own last step aside), so it delays no runnable task; it lasts at
+    most ``INLINE_SPIN_S``, about the time a short kernel takes to come back.
     """
     global _last
     last = _last
@@ -226,7 +248,14 @@ def polled_future(
     else:
         reactor = reactor_for(loop)
         _last = (loop, reactor)
-    if not reactor.pending and not getattr(loop, "_ready", True):
+    # The loop's ready queue may hold the idle reactor's own next step (it runs
+    # once more after its last wake-up); anything else ready means no spin.
+    ready = getattr(loop, "_ready", None)
+    if (
+        ready is not None
+        and not reactor.pending
+        and len(ready) <= (reactor.task is not None and not reactor.deferred)
+    ):
         completed = stream._completed
         seq = ev._seq
         deadline = _monotonic() + INLINE_SPIN_S

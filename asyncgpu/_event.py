@@ -249,8 +249,7 @@ def _wake(waiter: Any, ev: DeviceEvent) -> None:
                     # Through the reactor's queue, like wake-ups on the loop's own
                     # thread, so that tasks wake in completion order whichever
                     # thread noticed the completion (the watcher, a pool thread).
-                    reactor.deferred.append(waiter.fut)
-                    waiter.loop.call_soon_threadsafe(reactor.wake_deferred)
+                    reactor.kick(waiter.fut)
             except RuntimeError:
                 pass  # the loop is closed: nobody is left to wake
     else:

@@ -190,6 +190,22 @@ class _StreamImpl:
         return (float(t1) - float(t0)) / 1e6
 
 
+class _HardwareQueues:
+    """Whether the streams of one device each have a hardware queue of their own
+    (``solo``); see ``_PolledStream._need``. A backend whose streams share the
+    device's queues (CUDA) keeps one per device up to date."""
+
+    __slots__ = ("limit", "solo", "streams")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.solo = True
+        self.streams: Any = ()
+
+
+_OWN_QUEUES = _HardwareQueues(0)  # for streams that share no queue
+
+
 class _PolledStream(_StreamImpl):
     """A stream whose completions are learned by polling markers.
 
@@ -220,12 +236,13 @@ class _PolledStream(_StreamImpl):
     """
 
     MARK_EVERY = 32
+    _queues: _HardwareQueues = _OWN_QUEUES  # the device's hardware queues
 
     def __init__(self, state: _ContextState, index: int, priority: int) -> None:
         super().__init__(state, index, priority)
         self._seq = 0  # last sequence number handed out
         self._marked = 0  # sequence number covered by the last marker placed
-        self._needed = 0  # highest sequence number whose completion was asked for
+        self._awaited = 0  # highest sequence number awaited or called back
         self._eager = False  # place a marker after every operation
         self._touched = False  # submitted to since the watcher's last sweep
         self._inflight: deque[DeviceEvent] = deque()
@@ -247,17 +264,21 @@ class _PolledStream(_StreamImpl):
     def _need(self, ev: DeviceEvent, eager: bool = True) -> None:
         """Make sure a marker covers ``ev`` (placing one now if none does).
 
-        A stream whose completions are being waited for switches to eager
-        markers (one right after each operation, so the device writes it as soon
-        as the work ends); it switches back once its operations' events go
-        unused again (see ``_before_submit``). Blocking waits (``eager=False``)
-        place their marker when they block and leave later operations unmarked:
-        a marker right after a long kernel holds up the next work of every
-        stream that shares the kernel's hardware queue."""
-        if ev._seq > self._needed:
-            self._needed = ev._seq
+        A stream whose completions are being awaited or called back
+        (``eager=True``) switches to eager markers: one right after each
+        operation, so the device writes it as soon as the work ends. It switches
+        back once an operation goes unawaited and unheld (``_before_submit``).
+        Blocking waits (``eager=False``) place their marker when they block and
+        leave later operations unmarked. And no stream is eager while its
+        device's hardware queues are shared (``_queues.solo`` false): a marker
+        right after a long kernel holds up the next work of every stream that
+        shares the kernel's queue (16 streams of 2 ms kernels took 2x one on the
+        H200, 2026-12-03, with eager markers on 8 queues)."""
         if eager:
-            self._eager = True
+            if ev._seq > self._awaited:
+                self._awaited = ev._seq
+            if self._queues.solo:
+                self._eager = True
         if ev._seq > self._marked:
             with self._submit_lock:
                 if ev._seq > self._marked and not ev._done:
@@ -267,15 +288,18 @@ class _PolledStream(_StreamImpl):
         """Called under ``_submit_lock`` before a new operation is submitted: mark
         the stream's last operation now if the user still holds its event (it may
         be awaited later, and a marker placed later would also wait for the new
-        operation), or if too many operations went unmarked."""
+        operation), or if too many operations went unmarked; leave eager mode when
+        the last operation was neither awaited nor is still held."""
         inflight = self._inflight
         if inflight:
             tail = inflight[-1]
             if tail._seq > self._marked:
                 if _getrefcount(tail) > _BASE_REFS or tail._seq - self._marked >= self.MARK_EVERY:
                     self._place_marker()
-            elif self._eager and tail._seq > self._needed and _getrefcount(tail) <= _BASE_REFS:
+            elif self._eager and tail._seq > self._awaited and _getrefcount(tail) <= _BASE_REFS:
                 self._eager = False  # nobody awaited or kept the last event: go lazy
+        elif self._eager and self._seq > self._awaited:
+            self._eager = False  # drained, and its last operation was not awaited
 
     def tail(self) -> DeviceEvent | None:
         inflight = self._inflight

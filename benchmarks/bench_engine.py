@@ -134,12 +134,24 @@ def throughput(
                 if t0 >= steady_at[0]:
                     steady.append(lag)
 
+        # Loop iteration lengths: a callback that reschedules itself runs once
+        # per iteration, so the gaps between its runs are the iterations.
+        loop = asyncio.get_running_loop()
+        laps: list[float] = []
+
+        def lap(prev: float) -> None:
+            now = time.perf_counter()
+            laps.append(now - prev)
+            if not stop:
+                loop.call_soon(lap, now)
+
         await asyncio.gather(*(worker(k) for k in range(64)))  # warm up
         started[0] = 0
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0.01)
         lags.clear()
         t0 = time.perf_counter()
+        loop.call_soon(lap, t0)
         await asyncio.gather(*(worker(k) for k in range(tasks)))
         dt = time.perf_counter() - t0
         stop = True
@@ -155,6 +167,10 @@ def throughput(
             # after that show the steady state of the load.
             "ticker_lag_steady_p99_ms": _pct(steady, 0.99) * 1e3 if steady else None,
             "ticker_steady_samples": len(steady),
+            "loop_iterations": len(laps),
+            "iteration_p50_ms": _pct(laps, 0.5) * 1e3 if laps else None,
+            "iteration_p99_ms": _pct(laps, 0.99) * 1e3 if laps else None,
+            "iteration_max_ms": max(laps) * 1e3 if laps else None,
         }
 
     return asyncio.run(run())

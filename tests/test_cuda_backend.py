@@ -418,6 +418,28 @@ async def test_awaits_resolve_in_order_and_survive_cancellation(ctx, fns):
     assert long.query()
 
 
+@pytest.mark.asyncio
+async def test_streams_beyond_the_hardware_queues_are_awaited_without_eager_markers(fns):
+    """With more live streams than the driver's hardware queues, some streams
+    share a queue, and a marker right after a kernel would hold up the other
+    streams' kernels behind it: awaits then place markers only when asked, and
+    16 awaited streams of spin kernels still all finish."""
+    with ag.DeviceContext(api="cuda") as c:
+        spin = c.compile_function(AXPY, "spin")
+        views = [c.select_stream(i) for i in range(c.num_streams())]
+        views += [c.create_stream().context() for _ in range(16 - len(views))]
+        impls = [v._impl for v in views]
+        assert not impls[0]._queues.solo
+        for _ in range(3):
+            evs = [
+                v.enqueue_function(spin, _spin_cycles(c, 0.5), grid_dim=1, block_dim=1)
+                for v in views
+            ]
+            await asyncio.gather(*evs)
+            assert all(e.query() for e in evs)
+            assert not any(i._eager for i in impls)
+
+
 def test_await_under_trio(ctx, fns):
     trio = pytest.importorskip("trio")
 

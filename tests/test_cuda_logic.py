@@ -182,3 +182,30 @@ def test_asyncgpu_native_0_leaves_cuda_bindings_in_charge(monkeypatch) -> None:
     monkeypatch.setattr(cuda.cu, "cuGetProcAddress", lambda *a: asked.append(a))
     cuda._bind_native()
     assert cuda._native is None and asked == []
+
+
+class _Streamish:
+    """Enough of a CudaStream for the hardware-queue count."""
+
+    def __init__(self) -> None:
+        self._eager = True
+
+
+def test_more_streams_than_hardware_queues_turn_eager_markers_off(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "2")
+    monkeypatch.setattr(cuda, "_device_queues", {})
+    a, b, c = _Streamish(), _Streamish(), _Streamish()
+    q = cuda._join_queues(0, a)
+    assert cuda._join_queues(0, b) is q
+    assert q.limit == 2 and q.solo, "two streams, two queues: each has its own"
+    cuda._join_queues(0, c)
+    assert not q.solo
+    assert not (a._eager or b._eager or c._eager), "sharing queues ends every eager stream"
+    cuda._leave_queues(q, c)
+    assert q.solo
+
+
+@pytest.mark.parametrize(("value", "limit"), [("32", 32), ("0", 8), ("64", 8), ("x", 8)])
+def test_the_queue_count_follows_the_drivers_variable(monkeypatch, value, limit) -> None:
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+    assert cuda._queue_limit() == limit

@@ -56,12 +56,26 @@ def wait_released(refs: list[weakref.ref[Any]], what: str) -> None:
     timer.start()
     try:
         while any(r() is not None for r in refs):
-            assert not deadline.is_set(), f"{what} still alive {TIMEOUT_S} s after completion"
+            assert not deadline.is_set(), (
+                f"{what} still alive {TIMEOUT_S} s after completion: {_holders(refs)}"
+            )
             gc.collect()
             freed.wait(0.01)
             freed.clear()
     finally:
         timer.cancel()
+
+
+def _holders(refs: list[weakref.ref[Any]]) -> str:
+    """What still holds the objects behind ``refs`` (for a failure message)."""
+    out = []
+    for i, r in enumerate(refs):
+        obj = r()
+        if obj is not None:
+            held_by = [type(o).__name__ for o in gc.get_referrers(obj) if o is not refs]
+            out.append(f"#{i} {type(obj).__name__} held by {held_by[:6]}")
+        del obj
+    return "; ".join(out)
 
 
 def pool_threads() -> list[threading.Thread]:
