@@ -264,7 +264,8 @@ def polled_future(
                 break
         else:
             stream._retire()
-            return None
+            if ev._done:
+                return None
     return reactor.add(stream, ev)
 
 

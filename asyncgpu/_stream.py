@@ -329,9 +329,12 @@ class _PolledStream(_StreamImpl):
     def _poll(self, ev: DeviceEvent) -> bool:
         if ev._seq > self._marked:
             self._need(ev)
+        elif ev._seq > self._awaited:
+            self._awaited = ev._seq  # marked already, and asked for: keep eager
         if self._completed() >= ev._seq:
+            # Another thread's retire may have taken ``ev`` and not yet finished
+            # it: only ``ev._done`` says its value is there.
             self._retire()
-            return True
         return ev._done
 
     def _watch(self, ev: DeviceEvent) -> None:

@@ -97,12 +97,53 @@ HANG_S = float(os.environ.get("ASYNCGPU_TEST_HANG_S", 300))
 _WATCHDOG_FILE = sys.__stderr__
 
 
+def _dump_engine_state(test: str) -> None:
+    """Before the watchdog fires: what every polled stream and reactor holds (the
+    stacks alone do not show which completion never came)."""
+    import gc
+
+    from asyncgpu import _engine
+    from asyncgpu._stream import _PolledStream
+
+    out = _WATCHDOG_FILE
+    if out is None:
+        return
+    print(f"\n== hung: {test}; engine state ==", file=out)
+    for o in gc.get_objects():
+        if isinstance(o, _PolledStream) and o._inflight:
+            head = o._inflight[0]
+            print(
+                f"{o.label}: seq={o._seq} marked={o._marked} issued={o._issued_mark} "
+                f"completed={o._completed()} awaited={o._awaited} eager={o._eager} "
+                f"solo={o._queues.solo} held={o._pending is not None and len(o._pending)} "
+                f"inflight={len(o._inflight)} head={head!r} waiters={head._waiters!r} "
+                f"issue_waiters={len(o._issue_waiters)}",
+                file=out,
+            )
+    for loop, r in list(_engine._reactors.items()):
+        print(
+            f"reactor {id(loop):#x} closed={loop.is_closed()} task={r.task is not None} "
+            f"park={r.park is not None} kicked={r.kicked} deferred={len(r.deferred)} "
+            f"pending={ {s.label: h[:4] for s, h in r.pending.items()} }",
+            file=out,
+        )
+    w = _engine.watcher
+    print(f"watcher running={w.running} pending={len(w._pending)} sweep={len(w._sweep)}", file=out)
+    out.flush()
+
+
 @pytest.fixture(autouse=True)
-def _hang_watchdog():
+def _hang_watchdog(request: pytest.FixtureRequest):
     faulthandler.dump_traceback_later(HANG_S, exit=True, file=_WATCHDOG_FILE)
+    import threading
+
+    state = threading.Timer(max(1.0, HANG_S - 5), _dump_engine_state, (request.node.nodeid,))
+    state.daemon = True
+    state.start()
     try:
         yield
     finally:
+        state.cancel()
         faulthandler.cancel_dump_traceback_later()
 
 
