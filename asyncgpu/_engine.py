@@ -14,8 +14,9 @@ Two pollers read those counters:
   stream with pending awaits once per loop iteration while completions keep
   coming (``SPIN_S``), then parks on a timer (``PARK_S`` backing off to
   ``PARK_MAX_S``), so a long kernel costs almost no CPU. Wake-ups it causes are
-  plain ``set_result`` calls on its own loop, ``WAKE_BATCH`` per iteration: no
-  thread hop, no self-pipe write.
+  plain ``set_result`` calls on its own loop, as many per iteration as fit in
+  ``ITERATION_S`` (measured from the iterations before): no thread hop, no
+  self-pipe write, and no loop iteration long enough to starve other tasks.
 * ``_Watcher``: one thread per process, for everything that is not an asyncio
   await (``add_done_callback``, trio awaits, CPU functions enqueued behind GPU
   work, sweeping finished work so that what it kept alive is released). It
@@ -50,7 +51,12 @@ SPIN_S = 0.0005  # keep polling every loop iteration this long after the last pr
 PARK_S = 0.001  # then poll on a timer this often, backing off up to PARK_MAX_S
 PARK_MAX_S = 0.004
 FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
-WAKE_BATCH = 48  # futures a reactor completes per loop iteration (bounds iteration time)
+# Futures a reactor completes per loop iteration: as many woken tasks as fit in
+# ITERATION_S, judged by the last iteration's time per woken task, within
+# WAKE_MIN..WAKE_MAX (so another task on the loop waits about two iterations).
+ITERATION_S = 0.0003
+WAKE_MIN = 8
+WAKE_MAX = 256
 INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
 
 _monotonic = time.perf_counter
@@ -89,15 +95,29 @@ def cpu_pool() -> ThreadPoolExecutor:
 class _Reactor:
     """Polls the streams awaited from one asyncio loop."""
 
-    __slots__ = ("__weakref__", "deferred", "kicked", "loop", "park", "pending", "task")
+    __slots__ = (
+        "__weakref__",
+        "batch",
+        "deferred",
+        "kicked",
+        "loop",
+        "park",
+        "pending",
+        "task",
+        "woke_at",
+        "woken",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.pending: dict[_PolledStream, list[int]] = {}
         self.park: asyncio.Future[Any] | None = None  # set while parked on a timer
-        # Futures of finished events, completed WAKE_BATCH per iteration so that a
+        # Futures of finished events, completed ``batch`` per iteration so that a
         # burst of completions never makes one loop iteration long (loop lag).
         self.deferred: deque[asyncio.Future[Any]] = deque()
+        self.batch = WAKE_MIN
+        self.woken = 0  # futures completed at ``woke_at``
+        self.woke_at = 0.0
         # True while a ``wake_deferred`` call from another thread is scheduled, so
         # a burst of completions noticed off the loop schedules one, not one each.
         self.kicked = False
@@ -141,10 +161,9 @@ class _Reactor:
 
     def wake_deferred(self) -> None:
         """On the loop (scheduled once by another thread's wake-ups, see
-        ``kick``): complete queued futures from the front, in order, and keep the
-        reactor running while more are queued."""
+        ``kick``): have the reactor complete the queued futures, in order, from
+        its next step on."""
         self.kicked = False
-        self._wake_some()
         if self.deferred:
             if self.task is None:
                 self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
@@ -167,11 +186,22 @@ class _Reactor:
                 raise
 
     def _wake_some(self) -> None:
+        """Complete the next batch of queued futures. Called once per reactor
+        step, so once per loop iteration while there is work: the tasks woken
+        by the previous call have run since, and the time per woken task sizes
+        this batch."""
+        now = _monotonic()
+        if self.woken:
+            per_task = max((now - self.woke_at) / self.woken, 1e-7)
+            self.batch = max(WAKE_MIN, min(WAKE_MAX, round(ITERATION_S / per_task)))
         d = self.deferred
-        for _ in range(min(WAKE_BATCH, len(d))):
+        n = min(self.batch, len(d))
+        for _ in range(n):
             fut = d.popleft()
             if not fut.done():
                 fut.set_result(None)
+        self.woken = n
+        self.woke_at = now
 
     async def _run(self) -> None:
         sleep = asyncio.sleep
@@ -210,8 +240,9 @@ class _Reactor:
         finally:
             self.task = None
             self.park = None
-            while self.deferred:  # never strand a waiter
-                self._wake_some()
+            d = self.deferred
+            while d:  # never strand a waiter (cancelled, or its loop is closing)
+                _set_future(d.popleft())
 
 
 _reactors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Reactor] = (

@@ -61,3 +61,66 @@ def test_the_watcher_runs_callbacks_of_polled_work_once_it_finishes() -> None:
     assert s.written == ev._seq and not called.is_set()
     s.counter = s.written  # the device finishes the kernel
     assert called.wait(10)
+
+
+@pytest.mark.asyncio
+async def test_a_burst_from_another_thread_schedules_one_wake_up_call() -> None:
+    loop = asyncio.get_running_loop()
+    reactor = reactor_for(loop)
+    waiters = [_LoopWaiter(loop, reactor) for _ in range(50)]
+    scheduled = []
+    real = loop.call_soon_threadsafe
+
+    def counting(cb, *args):
+        scheduled.append(cb)
+        return real(cb, *args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    try:
+        other = threading.Thread(target=lambda: [_wake(w, None) for w in waiters])
+        other.start()
+        other.join()
+    finally:
+        del loop.call_soon_threadsafe
+    assert len(scheduled) == 1
+    await asyncio.wait_for(asyncio.gather(*(w.fut for w in waiters)), 10)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.asyncio
+async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
+    monkeypatch,
+) -> None:
+    """One reactor step per loop iteration: the batch follows the time the tasks
+    woken in the iteration before took, 100 us each gives the minimum, 1 us each
+    the maximum."""
+    from asyncgpu import _engine
+
+    clock = _Clock()
+    monkeypatch.setattr(_engine, "_monotonic", clock)
+    loop = asyncio.get_running_loop()
+    reactor = _engine._Reactor(loop)
+    futs = [loop.create_future() for _ in range(2000)]
+    reactor.deferred.extend(futs)
+
+    def woken() -> int:
+        return sum(f.done() for f in futs)
+
+    reactor._wake_some()
+    assert woken() == _engine.WAKE_MIN
+    clock.now += _engine.WAKE_MIN * 100e-6  # the woken tasks took 100 us each
+    reactor._wake_some()
+    assert woken() == 2 * _engine.WAKE_MIN
+    clock.now += _engine.WAKE_MIN * 1e-6  # 1 us each
+    reactor._wake_some()
+    assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX
+    clock.now += _engine.WAKE_MAX * 10e-6  # 10 us each: 0.3 ms fits 30
+    reactor._wake_some()
+    assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX + 30
