@@ -76,6 +76,7 @@ def launch(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
         rounds,
         ctx.synchronize,
     )
+    pairs = _interleaved_with_cuda_core(ctx, empty, axpy, x, y, a, nn, calls, rounds)
     with ctx.trace():
         t = _median_per_call_us(
             lambda: ctx.enqueue_function(empty, grid_dim=1, block_dim=1),
@@ -89,7 +90,65 @@ def launch(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
         "axpy4_median_us": f["median_us"],
         "axpy4_min_us": f["min_us"],
         "empty_traced_median_us": t["median_us"],
+        **pairs,
     }
+
+
+def _interleaved_with_cuda_core(
+    ctx: ag.DeviceContext,
+    empty: Any,
+    axpy: Any,
+    x: Any,
+    y: Any,
+    a: np.float32,
+    nn: np.int32,
+    calls: int,
+    rounds: int,
+) -> dict[str, float]:
+    """``enqueue_function`` and cuda.core's ``launch`` of the same kernels with the same
+    geometry and argument types, timed in alternating rounds in this one process, so
+    that the CPU's clock and the process's state are the same for both (the peers'
+    figures come from another phase of the run). Garbage collection stays on for
+    both, as in an application."""
+    try:
+        from cuda.core import Device, LaunchConfig
+        from cuda.core import launch as core_launch
+    except ImportError:
+        return {}
+    dev = Device(ctx.id())
+    dev.set_current()
+    cs = dev.create_stream()
+    n = int(nn)
+    cx, cy = dev.allocate(n * 4, stream=cs), dev.allocate(n * 4, stream=cs)
+    cs.sync()
+    k_empty, k_axpy = empty._impl.kernel, axpy._impl.kernel
+    one, four = LaunchConfig(grid=1, block=1), LaunchConfig(grid=4, block=256)
+    cases = {
+        "empty": (
+            lambda: ctx.enqueue_function(empty, grid_dim=1, block_dim=1),
+            lambda: core_launch(cs, one, k_empty),
+        ),
+        "axpy4": (
+            lambda: ctx.enqueue_function(axpy, a, x, y, nn, grid_dim=4, block_dim=256),
+            lambda: core_launch(cs, four, k_axpy, a, cx, cy, nn),
+        ),
+    }
+    out: dict[str, float] = {}
+    try:
+        for name, (ours, theirs) in cases.items():
+            mine: list[float] = []
+            core: list[float] = []
+            for _ in range(rounds):
+                mine.append(_median_per_call_us(ours, calls, 1, ctx.synchronize)["median_us"])
+                core.append(_median_per_call_us(theirs, calls, 1, cs.sync)["median_us"])
+            out[f"paired_{name}_median_us"] = statistics.median(mine)
+            out[f"paired_core_{name}_median_us"] = statistics.median(core)
+    finally:
+        cs.sync()
+        cx.close(cs)
+        cy.close(cs)
+        cs.close()
+    return out
 
 
 def _event_time_gbps(ctx: ag.DeviceContext, op: Any, nbytes: int, reps: int) -> float:

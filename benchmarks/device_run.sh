@@ -5,8 +5,8 @@
 #                [--exit-check] (also: each test file in its own process, with its exit status)
 #                [--gdb=tests/test_x.py] (also: that file under cuda-gdb, for a native backtrace)
 #                [--probe] (also: benchmarks/probe_driver.py, the driver calls' host cost)
-# Writes under $OUT (at most 8 files): env.txt, tests.log, tests.json, bench.json, bench.log,
-# soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
+# Writes under $OUT (at most 8 files): env.txt, tests.log (with memcheck's log), tests.json,
+# bench.json, bench.log, probe.json, soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 # The H200 image lacks some test dependencies; carry them as wheels (device tool: carry .whl,
 # and asyncgpu/_native.abi3.so built here by `pip install -e .`):
 #   ../shared/tools/device-wheels pytest-asyncio==1.5.0 trio==0.32.0 outcome==1.3.0.post0 sniffio==1.3.1
@@ -113,6 +113,9 @@ if [ -n "$SANITIZE" ]; then
       > "$OUT/memcheck.log" 2>&1
     echo "memcheck rc=$?" | tee -a "$OUT/memcheck.log"
     grep -E "ERROR SUMMARY|LEAK SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5
+    # The device tool brings back at most 8 files: memcheck's log goes into tests.log.
+    { echo; echo "== compute-sanitizer memcheck =="; cat "$OUT/memcheck.log"; } >> "$OUT/tests.log"
+    rm -f "$OUT/memcheck.log"
   else
     echo "compute-sanitizer not found on this machine" | tee "$OUT/memcheck.log"
   fi

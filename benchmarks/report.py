@@ -113,6 +113,13 @@ def render(doc: dict[str, Any]) -> str:
         f"{_f(_m(res, 'launch_cupy_4args', 'median_us'), '{:.2f}')} | "
         f"{_f(_m(res, 'launch_torch_add', 'median_us'), '{:.2f}')} |",
         "",
+        "The same kernels launched by asyncgpu and by cuda.core in alternating rounds of "
+        "one process (the goal's ratio): empty "
+        f"{_f(_m(res, 'fast_launch', 'paired_empty_median_us'), '{:.2f}')} against "
+        f"{_f(_m(res, 'fast_launch', 'paired_core_empty_median_us'), '{:.2f}')} µs, 4 args "
+        f"{_f(_m(res, 'fast_launch', 'paired_axpy4_median_us'), '{:.2f}')} against "
+        f"{_f(_m(res, 'fast_launch', 'paired_core_axpy4_median_us'), '{:.2f}')} µs.",
+        "",
         "### Copies, 512 MiB of random data (GB/s; D2D counts read + write)",
         "",
         "| copy | asyncgpu | raw |",
