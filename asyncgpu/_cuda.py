@@ -63,6 +63,10 @@ _GEQ = cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
 _SHMEM_DEFAULT_LIMIT = 48 * 1024
 _STAGE_CHUNK = 16 << 20
 _STAGE_SLOTS = 3
+# Device buffers a stream keeps for its next allocations of the same size (see
+# ``_SpareBuffers``): at most this many bytes per stream, this many per size.
+_SPARE_BYTES = 64 << 20
+_SPARE_PER_SIZE = 4
 _STICKY = {
     cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,
     cu.CUresult.CUDA_ERROR_LAUNCH_FAILED,
@@ -218,22 +222,90 @@ def _leave_queues(q: _HardwareQueues, stream: CudaStream) -> None:
         q.solo = len(q.streams) <= q.limit
 
 
+class _SpareBuffers:
+    """Device buffers of a stream, released and kept for the stream's next
+    allocation of the same size, so that a buffer created and dropped again and
+    again costs no driver call and no new cuda.core ``Buffer``.
+
+    Safe for the same reason the driver's stream-ordered pool is: a buffer comes
+    here only once the device has finished every operation that used it (each
+    operation keeps its buffers alive until then), and it is handed out again only
+    on the stream that owned it, after everything already submitted there. Kept
+    buffers are freed (``cuMemFreeAsync``) when the stream closes, at exit, and
+    when an allocation of the device fails for lack of memory."""
+
+    __slots__ = ("bufs", "closed", "lock", "room")
+
+    def __init__(self) -> None:
+        self.bufs: dict[int, list[Any]] = {}
+        self.room = _SPARE_BYTES
+        self.closed = False
+        # Reentrant: a buffer's finalizer may run (garbage collection) while this
+        # thread is inside take() or keep().
+        self.lock = threading.RLock()
+
+    def take(self, nbytes: int) -> Any:
+        with self.lock:
+            bufs = self.bufs.get(nbytes)
+            if not bufs:
+                return None
+            buf = bufs.pop()
+            self.room += nbytes
+            return buf
+
+    def keep(self, buf: Any, nbytes: int) -> bool:
+        with self.lock:
+            if self.closed or nbytes > self.room:
+                return False
+            bufs = self.bufs.setdefault(nbytes, [])
+            if len(bufs) >= _SPARE_PER_SIZE:
+                return False
+            bufs.append(buf)
+            self.room -= nbytes
+            return True
+
+    def free(self, cs: Any, close: bool) -> None:
+        """Free every kept buffer on ``cs`` (the owning stream, still alive); with
+        ``close``, keep none from now on."""
+        with self.lock:
+            self.closed = self.closed or close
+            bufs = [b for group in self.bufs.values() for b in group]
+            self.bufs.clear()
+            self.room = _SPARE_BYTES
+        for b in bufs:
+            with contextlib.suppress(Exception):
+                b.close(cs)
+
+
+def _free_spare(spare: _SpareBuffers, backend: CudaBackend, cs: Any) -> None:
+    with contextlib.suppress(Exception):
+        backend.make_current()
+    spare.free(cs, True)
+
+
 class _DeviceAlloc:
     """Device memory from the device's pool (``cuMemAllocFromPoolAsync``), freed in
-    stream order on the owning stream (``cuMemFreeAsync``)."""
+    stream order on the owning stream (``cuMemFreeAsync``), or kept by that stream
+    for its next allocation of the same size (``_SpareBuffers``)."""
 
-    __slots__ = ("backend", "buf", "host", "ptr")
+    __slots__ = ("backend", "buf", "host", "nbytes", "ptr")
 
-    def __init__(self, backend: CudaBackend, buf: Any, host: np.ndarray | None) -> None:
+    def __init__(
+        self, backend: CudaBackend, buf: Any, host: np.ndarray | None, nbytes: int = 0
+    ) -> None:
         self.backend = backend
         self.buf = buf
         self.ptr = int(buf.handle) if buf is not None else 0
         self.host = host
+        self.nbytes = nbytes
 
     def release(self, stream: _StreamImpl) -> None:
         buf = self.buf
         if buf is not None:
             self.buf = None
+            spare = getattr(stream, "spare", None)
+            if spare is not None and spare.keep(buf, self.nbytes):
+                return
             backend = self.backend
             backend.make_current()
             if getattr(stream, "is_closed", True):
@@ -379,6 +451,10 @@ class CudaStream(_PolledStream):
         self.external_owner = external_owner
         self.is_closed = False
         self.label = f"cuda:{state.device_id}/s{index}"
+        self.spare = _SpareBuffers()
+        # Kept buffers are freed on this stream while it lives: at close, or at
+        # interpreter exit (before cuda.core's teardown) if it is never closed.
+        self._free_spare = weakref.finalize(self, _free_spare, self.spare, backend, self.cs)
 
     def handle(self) -> int:
         return self.h
@@ -903,6 +979,7 @@ class CudaStream(_PolledStream):
 
     def close(self) -> None:
         watcher.forget(self)
+        self._free_spare()
         self.is_closed = True
         _leave_queues(self._queues, self)
         with self._marker_lock:
@@ -1441,15 +1518,38 @@ class CudaBackend:
     def alloc_device(self, nbytes: int, stream: _StreamImpl) -> _DeviceAlloc:
         if nbytes == 0:
             return _DeviceAlloc(self, None, None)
+        spare = stream.spare  # type: ignore[attr-defined]
+        buf = spare.take(nbytes)
+        if buf is not None:
+            return _DeviceAlloc(self, buf, None, nbytes)
         self.make_current()
         cs = stream.cs  # type: ignore[attr-defined]
         try:
             buf = self.mr.allocate(nbytes, stream=cs)
         except Exception as e:
-            raise DeviceError(
-                f"allocating {nbytes} bytes on CUDA device {self.device_id}: {e}"
-            ) from e
-        return _DeviceAlloc(self, buf, None)
+            # Out of memory, perhaps: give back what every stream of the device
+            # keeps, then try once more.
+            if not self._free_spare_buffers():
+                raise DeviceError(
+                    f"allocating {nbytes} bytes on CUDA device {self.device_id}: {e}"
+                ) from e
+            try:
+                buf = self.mr.allocate(nbytes, stream=cs)
+            except Exception as e2:
+                raise DeviceError(
+                    f"allocating {nbytes} bytes on CUDA device {self.device_id}: {e2}"
+                ) from e2
+        return _DeviceAlloc(self, buf, None, nbytes)
+
+    def _free_spare_buffers(self) -> bool:
+        """Free the buffers every live stream of the device keeps; True if there
+        were any."""
+        freed = False
+        for s in _all_streams(self):
+            if s.spare.bufs:
+                freed = True
+                s.spare.free(s.cs, False)
+        return freed
 
     def alloc_host(self, nbytes: int, stream: _StreamImpl) -> _PinnedAlloc:
         """Page-locked host memory from ``_pinned``, usable by the host at once. (A

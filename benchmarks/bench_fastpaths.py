@@ -225,7 +225,19 @@ def alloc(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
         host()
     d = _median_per_call_us(dev, reps // 5, 5, ctx.synchronize)
     h = _median_per_call_us(host, reps // 5, 5, ctx.synchronize)
-    return {"device_1mib_us": d["median_us"], "host_1mib_us": h["median_us"]}
+    out = {"device_1mib_us": d["median_us"], "host_1mib_us": h["median_us"]}
+    # The same with the stream keeping no spare buffers: every pair goes to the
+    # driver's pool (cuMemAllocFromPoolAsync + cuMemFreeAsync through cuda.core).
+    spare = getattr(ctx._impl, "spare", None)
+    if spare is not None:
+        spare.free(ctx._impl.cs, False)
+        room, spare.room = spare.room, 0
+        try:
+            p = _median_per_call_us(dev, reps // 5, 5, ctx.synchronize)
+        finally:
+            spare.room = room
+        out["device_1mib_no_spare_us"] = p["median_us"]
+    return out
 
 
 def compile_cache(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:

@@ -141,7 +141,12 @@ def render(doc: dict[str, Any]) -> str:
         "",
         "| what | asyncgpu | raw |",
         "| --- | --- | --- |",
-        f"| device buffer | {_f(_m(res, 'fast_alloc', 'device_1mib_us'), '{:.2f}')} | "
+        f"| device buffer, kept by its stream | "
+        f"{_f(_m(res, 'fast_alloc', 'device_1mib_us'), '{:.2f}')} | "
+        f"`cuMemAlloc`+`cuMemFree` {_f(_m(res, 'alloc_device', 'median_us'), '{:.2f}')}; "
+        f"`cuMemAllocAsync` pool {_f(_m(res, 'alloc_async_pool', 'median_us'), '{:.2f}')} |",
+        f"| device buffer, no spare kept | "
+        f"{_f(_m(res, 'fast_alloc', 'device_1mib_no_spare_us'), '{:.2f}')} | "
         f"`cuMemAlloc`+`cuMemFree` {_f(_m(res, 'alloc_device', 'median_us'), '{:.2f}')}; "
         f"`cuMemAllocAsync` pool {_f(_m(res, 'alloc_async_pool', 'median_us'), '{:.2f}')} |",
         f"| pinned host buffer | {_f(_m(res, 'fast_alloc', 'host_1mib_us'), '{:.2f}')} | "

@@ -200,6 +200,64 @@ def test_cross_stream_copy_waits_for_owner(ctx, fns):
     np.testing.assert_allclose(out, 3 * x, rtol=1e-6)
 
 
+def test_a_dropped_buffer_is_reused_by_its_streams_next_allocation_of_that_size():
+    """Create-and-drop in a loop costs no driver call: the owning stream keeps the
+    buffer once its work is done and hands it to its next allocation of the same
+    size; another stream or another size gets other memory."""
+    n = 1 << 16
+    with ag.DeviceContext(api="cuda") as c:  # streams that keep nothing yet
+        axpy, spin = (c.compile_function(AXPY, name) for name in ("axpy", "spin"))
+        s1 = c.select_stream(1)
+        x = rng.standard_normal(n).astype(np.float32)
+        buf = c.enqueue_create_buffer(np.float32, n)
+        c.enqueue_copy(buf, x)
+        c.enqueue_function(spin, _spin_cycles(c, 20), grid_dim=1, block_dim=1)
+        c.enqueue_function(
+            axpy, np.float32(1), buf, buf, np.int32(n), grid_dim=n // 256, block_dim=256
+        )  # buf = 2x, behind the spin
+        out = np.full(n, np.nan, np.float32)
+        done = c.enqueue_copy(out, buf)
+        ptr = buf.unsafe_ptr()
+        del buf  # its operations keep it alive until they finish
+        other = c.enqueue_create_buffer(np.float32, n)
+        assert other.unsafe_ptr() != ptr  # still in use by the device: not handed out
+        done.synchronize()
+        np.testing.assert_allclose(out, 2 * x, rtol=1e-6)
+        c.synchronize()  # the stream retires its finished operations; the buffer is kept
+        elsewhere = s1.enqueue_create_buffer(np.float32, n)
+        bigger = c.enqueue_create_buffer(np.float32, n + 1)
+        again = c.enqueue_create_buffer(np.float32, n)
+        assert again.unsafe_ptr() == ptr
+        assert elsewhere.unsafe_ptr() != ptr and bigger.unsafe_ptr() != ptr
+        y = rng.standard_normal(n).astype(np.float32)
+        c.enqueue_copy(again, y)
+        got = np.full(n, np.nan, np.float32)
+        c.enqueue_copy(got, again).synchronize()
+        np.testing.assert_array_equal(got, y)
+        del other, elsewhere, bigger, again
+
+
+def test_kept_buffers_are_freed_when_their_stream_closes_or_memory_runs_short():
+    """A closed context keeps nothing; a failed allocation frees what every stream
+    of the device keeps before it tries again."""
+    with ag.DeviceContext(api="cuda") as c:
+        impl = c._impl
+        for _ in range(3):
+            c.enqueue_create_buffer(np.uint8, 1 << 20)
+        c.synchronize()
+        assert len(impl.spare.bufs[1 << 20]) == 1  # one buffer, taken and kept again
+        held = [c.enqueue_create_buffer(np.uint8, 1 << 20) for _ in range(6)]
+        del held
+        assert len(impl.spare.bufs[1 << 20]) == 4  # at most four of one size
+        assert c._state.backend._free_spare_buffers()
+        assert not impl.spare.bufs and not impl.spare.closed
+        c.enqueue_create_buffer(np.uint8, 1 << 20)
+        assert impl.spare.bufs[1 << 20]
+    assert impl.spare.closed and not impl.spare.bufs
+    impl.spare.keep(object(), 8)  # a buffer dropped after the close is not kept
+    assert not impl.spare.bufs
+
+
 def test_cpu_function_holds_later_gpu_work_back(ctx, fns):
     s = ctx.select_stream(3)
     n = 4096
