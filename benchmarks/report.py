@@ -1,7 +1,8 @@
 """Render a benchmark JSON (from ``run.py --json``) as the Markdown tables of
 docs/performance.md, so the docs quote measured numbers only.
 
-    python benchmarks/report.py benchmarks/results/2026-12-02-h200-bench.json
+    python benchmarks/report.py benchmarks/results/2026-12-02-h200-bench.json [PROBE.json]
+    python benchmarks/report.py --across RUN1.json RUN2.json ...   (goals side by side)
 """
 
 from __future__ import annotations
@@ -211,7 +212,29 @@ def render_probe(probe: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def render_across(paths: list[str]) -> str:
+    """The goals' ratios of several runs side by side (how much they move)."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    names = [p.rsplit("/", 1)[-1].removesuffix(".json") for p in paths]
+    goals: dict[str, list[str]] = {}
+    for i, d in enumerate(docs):
+        for g in d.get("goals", []):
+            v = g.get("value")
+            row = goals.setdefault(g["goal"], [""] * len(docs))
+            row[i] = "n/a" if v is None else f"{v:.3f}"
+    out = ["| goal | " + " | ".join(f"`{n}`" for n in names) + " |"]
+    out.append("| --- |" + " --- |" * len(names))
+    out += [f"| {g} | " + " | ".join(vals) + " |" for g, vals in goals.items()]
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--across":
+        print(render_across(sys.argv[2:]))
+        raise SystemExit(0)
     with open(sys.argv[1]) as f:
         print(render(json.load(f)))
     if len(sys.argv) > 2:
