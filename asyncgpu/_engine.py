@@ -20,8 +20,7 @@ Two pollers read those counters:
 * ``_Watcher``: one thread per process, for everything that is not an asyncio
   await (``add_done_callback``, trio awaits, CPU functions enqueued behind GPU
   work, sweeping finished work so that what it kept alive is released). It
-  polls every ``WATCH_POLL_S`` while completions keep coming, then parks with
-  backoff, and stops when it has nothing to do.
+  spins briefly, then sleeps with backoff, and stops when it has nothing to do.
 
 Both ask the stream for sticky device faults whenever they have been idle for
 ``FAULT_CHECK_S`` and fail every pending event of the faulted context, so no
@@ -33,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import os
-import sys
 import threading
 import time
 import weakref
@@ -60,11 +58,6 @@ ITERATION_S = 0.0003
 WAKE_MIN = 8
 WAKE_MAX = 256
 INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
-# The watcher's poll interval while completions keep coming: a real wait, not
-# ``time.sleep(0)``, which gives the GIL away for so short a time that a thread
-# waiting for it (a pool thread back from a driver call) rarely gets it before
-# the switch interval (5 ms) forces a hand-over.
-WATCH_POLL_S = 0.00002
 
 _monotonic = time.perf_counter
 
@@ -369,7 +362,6 @@ class _Watcher:
         return t is not None and t.is_alive()
 
     def _main(self) -> None:
-        _fine_timer_slack()
         last = checked = swept = _monotonic()
         delay = 0.00005
         while True:
@@ -417,27 +409,15 @@ class _Watcher:
                     if stream._fault is not None:
                         with self._cond:
                             self._pending.pop(stream, None)
-            # Wait on the condition, not in time.sleep: a new watch() (a CPU
-            # function behind GPU work, a callback) wakes the thread at once.
-            polling = now - last < SPIN_S and items
-            with self._cond:
-                if not self._stopping:
-                    self._cond.wait(WATCH_POLL_S if polling else delay if items else 0.01)
-            if not polling:
+            if now - last < SPIN_S and items:
+                time.sleep(0)
+            else:
+                # Park on the condition, not in time.sleep: a new watch() (a CPU
+                # function behind GPU work, a callback) wakes the thread at once.
+                with self._cond:
+                    if not self._stopping:
+                        self._cond.wait(delay if items else 0.01)
                 delay = min(delay * 2, PARK_S)
-
-
-def _fine_timer_slack() -> None:
-    """Let this thread's short timed waits end on time: Linux adds up to 50 us of
-    timer slack to each by default (``prctl(PR_SET_TIMERSLACK)``, this thread only)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 us
-    except Exception:  # pragma: no cover - no libc symbol: keep the default slack
-        pass
 
 
 watcher = _Watcher()
