@@ -209,3 +209,83 @@ def test_more_streams_than_hardware_queues_turn_eager_markers_off(monkeypatch) -
 def test_the_queue_count_follows_the_drivers_variable(monkeypatch, value, limit) -> None:
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
     assert cuda._queue_limit() == limit
+
+
+# -- device buffers a stream keeps for its next allocation (``_SpareBuffers``) ----------------
+
+
+class _Buf:
+    """Stands in for a cuda.core ``Buffer``: records the stream it was freed on."""
+
+    def __init__(self, handle: int = 0x1000) -> None:
+        self.handle = handle
+        self.freed_on: object = None
+
+    def close(self, stream: object) -> None:
+        self.freed_on = stream
+
+
+def test_a_kept_buffer_goes_to_the_next_allocation_of_its_size_newest_first() -> None:
+    spare = cuda._SpareBuffers()
+    a, b = _Buf(), _Buf()
+    assert spare.keep(a, 1024) and spare.keep(b, 1024)
+    assert spare.take(2048) is None  # another size: nothing kept
+    assert spare.take(1024) is b
+    assert spare.take(1024) is a
+    assert spare.take(1024) is None
+
+
+def test_a_stream_keeps_at_most_four_of_a_size_and_64_mib_in_all() -> None:
+    spare = cuda._SpareBuffers()
+    assert all(spare.keep(_Buf(), 4096) for _ in range(cuda._SPARE_PER_SIZE))
+    assert not spare.keep(_Buf(), 4096)
+    assert not spare.keep(_Buf(), cuda._SPARE_BYTES)  # more than the room left
+    assert spare.take(4096) is not None
+    assert spare.room == cuda._SPARE_BYTES - (cuda._SPARE_PER_SIZE - 1) * 4096
+
+
+def test_freeing_kept_buffers_closes_them_on_the_stream_and_a_closed_stream_keeps_none() -> None:
+    spare = cuda._SpareBuffers()
+    bufs = [_Buf() for _ in range(3)]
+    for i, b in enumerate(bufs):
+        spare.keep(b, 256 * (i + 1))
+    stream = object()
+    spare.free(stream, False)  # memory ran short: freed, and the stream goes on keeping
+    assert [b.freed_on for b in bufs] == [stream] * 3
+    assert not spare.bufs and spare.room == cuda._SPARE_BYTES
+    assert spare.keep(_Buf(), 256)
+    spare.free(stream, True)  # the stream closes
+    assert not spare.keep(_Buf(), 256) and not spare.bufs
+
+
+def test_a_finalizer_that_runs_inside_take_does_not_deadlock() -> None:
+    """A buffer's finalizer may run on a thread that already holds the lock (garbage
+    collection inside ``take``): the lock is reentrant."""
+    spare = cuda._SpareBuffers()
+    with spare.lock:
+        assert spare.keep(_Buf(), 64)
+        assert spare.take(64) is not None
+
+
+def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_one() -> None:
+    class _Backend:
+        _core_device = type("Dev", (), {"default_stream": "device default stream"})()
+
+        def make_current(self) -> None:
+            pass
+
+    class _Stream:
+        def __init__(self) -> None:
+            self.spare = cuda._SpareBuffers()
+            self.is_closed = False
+            self.cs = "stream"
+
+    s = _Stream()
+    kept = _Buf()
+    cuda._DeviceAlloc(_Backend(), kept, None, 512).release(s)
+    assert kept.freed_on is None and s.spare.take(512) is kept
+    s.spare.free(s.cs, True)
+    s.is_closed = True
+    late = _Buf()
+    cuda._DeviceAlloc(_Backend(), late, None, 512).release(s)
+    assert late.freed_on == "device default stream"  # its stream is gone
