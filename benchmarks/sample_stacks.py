@@ -53,10 +53,10 @@ def main() -> int:
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     samples = 0
     stop = threading.Event()
-    me = threading.get_ident()
 
     def sample() -> None:
         nonlocal samples
+        me = threading.get_ident()  # the sampler itself is not counted
         while not stop.wait(a.interval_ms / 1000):
             names = {t.ident: t.name for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
@@ -65,9 +65,7 @@ def main() -> int:
             samples += 1
 
     t = threading.Thread(target=sample, name="sampler", daemon=True)
-    me = 0
     t.start()
-    me = t.ident or 0
     t0 = time.perf_counter()
     rc = pytest.main(args)
     wall = time.perf_counter() - t0

@@ -289,3 +289,44 @@ def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_on
     late = _Buf()
     cuda._DeviceAlloc(_Backend(), late, None, 512).release(s)
     assert late.freed_on == "device default stream"  # its stream is gone
+
+
+def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> None:
+    """``CudaBackend.alloc_device`` with a stand-in pool: a first failure frees what
+    the device's streams keep and retries; a failure with nothing kept, or a second
+    failure, raises DeviceError naming the size."""
+
+    class _Pool:
+        def __init__(self, failures: int) -> None:
+            self.failures = failures
+
+        def allocate(self, nbytes: int, stream: object) -> _Buf:
+            if self.failures:
+                self.failures -= 1
+                raise RuntimeError("CUDA_ERROR_OUT_OF_MEMORY")
+            return _Buf()
+
+    class _Backend:
+        device_id = 0
+
+        def __init__(self, failures: int, kept: bool) -> None:
+            self.mr = _Pool(failures)
+            self.kept = kept
+            self.freed = 0
+
+        def make_current(self) -> None:
+            pass
+
+        def _free_spare_buffers(self) -> bool:
+            self.freed += 1
+            return self.kept
+
+    stream = type("S", (), {"spare": cuda._SpareBuffers(), "cs": "stream"})()
+    b = _Backend(failures=1, kept=True)
+    alloc = cuda.CudaBackend.alloc_device(b, 4096, stream)
+    assert alloc.nbytes == 4096 and alloc.buf is not None and b.freed == 1
+    for failures, kept in ((1, False), (2, True)):
+        b = _Backend(failures, kept)
+        with pytest.raises(DeviceError, match="allocating 4096 bytes"):
+            cuda.CudaBackend.alloc_device(b, 4096, stream)
+        assert b.freed == 1
