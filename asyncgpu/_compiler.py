@@ -549,12 +549,13 @@ def compile_cuda(
     does) or a sequence, e.g. ``"--use_fast_math -std=c++17 -DN=4 -lineinfo"``.
     ``-arch=<arch>`` is always added; a flag naming another architecture raises
     ``ValueError``. ``-O0``..``-O3`` go to ptxas (NVRTC itself has no ``-O``).
-    ``want_ptx`` also returns the PTX of the same compilation.
+    ``want_ptx`` also returns the PTX of the same compilation. The on-disk entry
+    keeps the PTX either way, so a later ``want_ptx`` call is a hit too.
 
     Cached in-process and in ``cache_dir`` (default ``default_cache_dir()``);
     ``use_cache=False`` neither reads nor writes either cache. A hit makes no
     NVRTC call. A miss calls ``nvrtcCreateProgram`` / ``nvrtcCompileProgram`` /
-    ``nvrtcGetCUBIN`` (/ ``nvrtcGetPTX``) / ``nvrtcGetProgramLog`` and blocks the
+    ``nvrtcGetCUBIN`` / ``nvrtcGetPTX`` / ``nvrtcGetProgramLog`` and blocks the
     calling thread for the compile (typically 30 ms to seconds; the GIL is
     released meanwhile). Thread-safe: concurrent calls for the same kernel
     compile it once; asyncgpu does not serialize different kernels (NVRTC 13.5
@@ -602,8 +603,10 @@ def compile_cuda(
                     _memory[full_key] = module
                 return module
 
-            cubin, ptx, log = _nvrtc_compile(source, name, arch, opts, want_ptx)
-            module = CompiledModule(name, arch, cubin, ptx, log, cache_hit=False)
+            # The entry always keeps the PTX: a later ``want_ptx`` lookup of the same
+            # kernel (``compile_function`` reads the signature from it) then hits too.
+            cubin, ptx, log = _nvrtc_compile(source, name, arch, opts, True)
+            module = CompiledModule(name, arch, cubin, ptx if want_ptx else None, log, False)
             real = nvrtc_version()
             if real != version:  # a stale version memo: key by the NVRTC that compiled
                 key = _disk_key(source, name, opts, arch, real)

@@ -258,7 +258,7 @@ class _PolledStream(_StreamImpl):
         """The highest sequence number known to have finished (never blocks)."""
         raise NotImplementedError
 
-    def _place_marker(self) -> None:
+    def _place_marker(self, counter: bool = False) -> None:
         raise NotImplementedError
 
     def _need(self, ev: DeviceEvent, eager: bool = True) -> None:

@@ -351,10 +351,12 @@ def overlap(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
     t1, t16 = _sixteen_streams(ctx, reps)
     wide = _sixteen_streams_child(32, reps)
 
-    chunks, chunk_n = (8, 1 << 20) if quick else (32, 4 << 20)
-    data = rng.standard_normal(chunks * chunk_n).astype(np.float32)
+    # 32 chunks of 8 MiB, as the raw cuda.bindings peer (peers_gpu.pipeline_streams)
+    # moves them; 16 MiB chunks are reported too.
+    chunks, chunk_n = (8, 1 << 20) if quick else (32, 2 << 20)
+    data = rng.standard_normal(chunks * 2 * chunk_n).astype(np.float32)
 
-    def pipeline(nstreams: int) -> float:
+    def pipeline(nstreams: int, chunk_n: int = chunk_n) -> float:
         # Each chunk's host buffers are created on (owned by) the stream that uses
         # them, so the automatic cross-stream ordering adds no waits.
         vs = [ctx.select_stream(i) for i in range(nstreams)]
@@ -378,18 +380,22 @@ def overlap(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
             v.enqueue_function(
                 scale, d, np.float32(2), np.int32(chunk_n), grid_dim=264, block_dim=256
             )
-            evs.append(v.enqueue_copy(outs[i], d))
+            evs.append(v.enqueue_copy(outs[i], d))  # held, as an application would
         for e in evs:
             e.synchronize()
         dt = time.perf_counter() - t0
         got = np.concatenate([o.as_numpy() for o in outs])
-        if not np.allclose(got, 2 * data):
+        if not np.allclose(got, 2 * data[: chunks * chunk_n]):
             raise AssertionError("pipeline output is wrong")
         return dt
 
     pipeline(1)
     p1 = statistics.median(pipeline(1) for _ in range(reps))
     p4 = statistics.median(pipeline(4) for _ in range(reps))
+    big = 2 * chunk_n
+    pipeline(1, big)
+    b1 = statistics.median(pipeline(1, big) for _ in range(reps))
+    b4 = statistics.median(pipeline(4, big) for _ in range(reps))
     return {
         "one_stream_ms": t1 * 1e3,
         "sixteen_streams_ms": t16 * 1e3,
@@ -397,6 +403,9 @@ def overlap(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
         "pipeline_1_stream_ms": p1 * 1e3,
         "pipeline_4_streams_ms": p4 * 1e3,
         "pipeline_speedup": p1 / p4,
+        "pipeline_chunk_mib": chunk_n * 4 / 2**20,
+        # informational: the same with chunks twice as large
+        "pipeline_speedup_double_chunks": b1 / b4,
         # informational: the same with 32 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS)
         **(
             {"sixteen_over_one_32_connections": wide["sixteen_ms"] / wide["one_ms"]} if wide else {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import statistics
 import sys
@@ -39,6 +40,16 @@ def per_call_us(fn: Any, sync: Any, calls: int = 5000, rounds: int = 7) -> float
         per.append((time.perf_counter_ns() - t0) / calls / 1e3)
         sync()
     return statistics.median(per)
+
+
+def _cfg(ctx: ag.DeviceContext, f: Any) -> Any:
+    """The cached launch configuration of ``f`` for grid 4 x block 256."""
+    ctx.enqueue_function(
+        f, np.float32(0), *[ctx.enqueue_create_buffer(np.float32, 1)] * 2, np.int32(0),
+        grid_dim=4, block_dim=256,
+    )  # fmt: skip
+    ctx.synchronize()
+    return f._cfgs[(4, 256, None, None)]
 
 
 def main() -> dict[str, Any]:
@@ -128,6 +139,44 @@ def main() -> dict[str, Any]:
             out["native_axpy_matches_numpy"] = bool(
                 np.allclose(got, 1.5 * xs + ys, rtol=1e-5, atol=1e-5)
             )
+        # The layers of enqueue_function, outermost last: where the Python time goes.
+        axpy_f = ctx.compile_function(SRC, "axpy")
+        stream.launch(axpy_f, (a_, x, y, nn), dims_cfg := _cfg(ctx, axpy_f), ())  # the plan
+        sync()
+        args4 = (a_, x, y, nn)
+        lock = stream._submit_lock
+
+        def locked() -> None:
+            with lock:
+                pass
+
+        out["layer_stream_launch_4args_us"] = per_call_us(
+            lambda: stream.launch(axpy_f, args4, dims_cfg, ()), sync
+        )
+        out["layer_enqueue_function_4args_us"] = per_call_us(
+            lambda: ctx.enqueue_function(axpy_f, a_, x, y, nn, grid_dim=4, block_dim=256), sync
+        )
+
+        def enqueue4() -> None:
+            ctx.enqueue_function(axpy_f, a_, x, y, nn, grid_dim=4, block_dim=256)
+
+        out["layer_enqueue_function_4args_10k_calls_us"] = per_call_us(enqueue4, sync, 10000)
+        gc.disable()
+        try:
+            out["layer_enqueue_function_4args_10k_calls_no_gc_us"] = per_call_us(
+                enqueue4, sync, 10000
+            )
+        finally:
+            gc.enable()
+        out["piece_submit_lock_us"] = per_call_us(locked, sync)
+        out["piece_before_submit_us"] = per_call_us(stream._before_submit, sync)
+        out["piece_prune_us"] = per_call_us(stream._prune, sync)
+        out["piece_event_init_us"] = per_call_us(lambda: ag.DeviceEvent(stream, 0, args4), sync)
+        out["piece_cfg_lookup_us"] = per_call_us(lambda: axpy_f._cfgs[(4, 256, None, None)], sync)
+        # The bench's own launch section, in this fresh process.
+        from bench_fastpaths import launch as bench_launch
+
+        out["bench_launch_section"] = bench_launch(ctx, False)
         sync()
         cu.cuEventDestroy(ev)
         _cuda._slab.give_back(counter)

@@ -296,18 +296,42 @@ def test_options_arch_and_source_each_key_their_own_entry(tmp_path, change):
 
 
 @needs_nvrtc
-def test_asking_for_ptx_later_recompiles_once_and_then_serves_both(tmp_path):
+def test_an_entry_written_without_ptx_asked_for_serves_a_later_ptx_request_from_disk(tmp_path):
+    # compile_function asks for the PTX (it reads the kernel's signature from it):
+    # a kernel another process compiled without asking for it must still be a hit.
     cubin_only = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
     with_ptx = compile_cuda(AXPY, "axpy", arch="sm_90", want_ptx=True, cache_dir=tmp_path)
     clear_memory_cache()
-    from_disk = compile_cuda(AXPY, "axpy", arch="sm_90", want_ptx=True, cache_dir=tmp_path)
     plain = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
 
-    assert cubin_only.ptx is None
-    assert with_ptx.cache_hit is False  # the stored entry had no PTX
+    assert cubin_only.cache_hit is False and cubin_only.ptx is None
+    assert with_ptx.cache_hit is True
     assert with_ptx.ptx is not None and ".entry axpy" in with_ptx.ptx
-    assert from_disk.cache_hit is True and from_disk.ptx == with_ptx.ptx
+    assert with_ptx.cubin == cubin_only.cubin
     assert plain.cache_hit is True and plain.ptx is None
+    assert len(kernel_files(tmp_path)) == 1
+
+
+@needs_nvrtc
+def test_an_old_entry_without_ptx_is_recompiled_once_for_a_ptx_request(tmp_path):
+    from asyncgpu import _compiler
+
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    (path,) = kernel_files(tmp_path)
+    data = path.read_bytes()
+    _, key, n_cubin, n_ptx, _, _ = _compiler._HEADER.unpack_from(data)
+    body = data[_compiler._HEADER.size :]
+    cubin, log = body[:n_cubin], body[n_cubin + n_ptx :].decode()
+    # An entry without the PTX, as they were written before 2026-12-04.
+    path.write_bytes(_compiler._pack_entry(key, cubin, None, log))
+    clear_memory_cache()
+
+    with_ptx = compile_cuda(AXPY, "axpy", arch="sm_90", want_ptx=True, cache_dir=tmp_path)
+    clear_memory_cache()
+    again = compile_cuda(AXPY, "axpy", arch="sm_90", want_ptx=True, cache_dir=tmp_path)
+
+    assert with_ptx.cache_hit is False and with_ptx.ptx is not None
+    assert again.cache_hit is True and again.ptx == with_ptx.ptx
     assert len(kernel_files(tmp_path)) == 1
 
 

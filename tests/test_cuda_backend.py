@@ -200,6 +200,76 @@ def test_cross_stream_copy_waits_for_owner(ctx, fns):
     np.testing.assert_allclose(out, 3 * x, rtol=1e-6)
 
 
+def test_a_held_copy_is_marked_by_a_driver_event_that_other_streams_wait_on(ctx, fns):
+    """The marker right after a copy or memset is a recorded driver event: a
+    counter write there, whose memory fence waits for the copy engines, cost the
+    H200 a tenth of its copy/kernel overlap. After a kernel it is the counter.
+    Another stream that waits for the copy waits on that event, on the device."""
+    a, b = ctx.select_stream(5), ctx.select_stream(6)
+    impl = a._impl
+    n = 1 << 20
+    x = rng.standard_normal(n).astype(np.float32)
+    src = a.enqueue_create_buffer(np.float32, n)
+    dst = a.enqueue_create_buffer(np.float32, n)
+    a.enqueue_copy(src, x)
+    a.enqueue_memset(dst, np.float32(0))
+    a.synchronize()
+
+    spin = a.enqueue_function(fns["spin"], _spin_cycles(ctx, 100), grid_dim=1, block_dim=1)
+    copied = a.enqueue_copy(dst, src)  # each event is held, so the next operation marks it
+    filled = a.enqueue_memset(src, np.float32(7))
+    a.enqueue_function(fns["spin"], np.int64(0), grid_dim=1, block_dim=1)
+
+    assert impl._counter_mark >= spin._seq
+    assert [s for s, _ in impl._copy_marks if s > spin._seq] == [copied._seq, filled._seq]
+    assert not copied.query()  # still behind the 100 ms spin
+
+    y = b.enqueue_create_buffer(np.float32, n)
+    b.enqueue_memset(y, np.float32(0))
+    b.enqueue_wait_for(copied)
+    b.enqueue_function(
+        fns["axpy"], np.float32(1), dst, y, np.int32(n), grid_dim=n // 256, block_dim=256
+    )  # y = dst, read only once the copy has finished
+    out = np.full(n, np.nan, np.float32)
+    b.enqueue_copy(out, y).synchronize()
+    np.testing.assert_array_equal(out, x)
+    filled.synchronize()
+    back = np.empty(n, np.float32)
+    a.enqueue_copy(back, src).synchronize()
+    assert (back == 7).all()
+    assert impl._completed() == impl._seq and not impl._copy_marks
+
+
+@pytest.mark.asyncio
+async def test_awaited_copies_on_four_streams_resolve_and_reuse_their_marker_events(ctx, fns):
+    views = [ctx.select_stream(i) for i in range(4)]
+    n = 1 << 16
+    ins = [v.enqueue_create_host_buffer(np.float32, n) for v in views]
+    outs = [v.enqueue_create_host_buffer(np.float32, n) for v in views]
+    devs = [v.enqueue_create_buffer(np.float32, n) for v in views]
+    for v in views:
+        v.synchronize()
+    for _ in range(50):
+        data = [rng.standard_normal(n).astype(np.float32) for _ in views]
+        evs = []
+        for v, h, d, o, x in zip(views, ins, devs, outs, data, strict=True):
+            h.as_numpy()[:] = x
+            o.as_numpy()[:] = np.nan
+            v.enqueue_copy(d, h)
+            v.enqueue_function(
+                fns["axpy"], np.float32(1), d, d, np.int32(n), grid_dim=n // 256, block_dim=256
+            )  # d = 2 d
+            evs.append(v.enqueue_copy(o, d))
+        await asyncio.gather(*evs)
+        for o, x in zip(outs, data, strict=True):
+            np.testing.assert_array_equal(o.as_numpy(), 2 * x)
+    for v in views:
+        impl = v._impl
+        impl._completed()
+        assert not impl._copy_marks
+        assert len(impl._free_events) <= 16  # events go back and are recorded again
+
+
 def test_a_dropped_buffer_is_reused_by_its_streams_next_allocation_of_that_size():
     """Create-and-drop in a loop costs no driver call: the owning stream keeps the
     buffer once its work is done and hands it to its next allocation of the same

@@ -330,3 +330,126 @@ def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> Non
         with pytest.raises(DeviceError, match="allocating 4096 bytes"):
             cuda.CudaBackend.alloc_device(b, 4096, stream)
         assert b.freed == 1
+
+
+# -- which marker follows an operation ---------------------------------------------------
+# A counter write (cuStreamWriteValue64) right after a copy waits, in its memory fence,
+# for the copy engines; on the H200 that cost a 4-stream copy/kernel pipeline a tenth of
+# its overlap (benchmarks/probe_pipeline.py). So the marker right after a copy or memset
+# is a recorded driver event, and other streams wait on that event, not on the counter.
+
+
+class _FakeDriver:
+    """The driver calls the markers make, recorded; events finish when told to."""
+
+    class CUevent_flags:  # the driver's spelling
+        CU_EVENT_DISABLE_TIMING = 2
+
+    def __init__(self) -> None:
+        self.created: list[str] = []
+        self.finished: set[str] = set()
+        self.waits: list[tuple[str, object]] = []
+
+    def cuEventCreate(self, flags: int) -> tuple[object, str]:
+        self.created.append(f"event{len(self.created)}")
+        return cuda._SUCCESS, self.created[-1]
+
+    def cuEventRecord(self, event: str, stream: object) -> tuple[object]:
+        self.finished.discard(event)  # recorded again: not finished
+        return (cuda._SUCCESS,)
+
+    def cuEventQuery(self, event: str) -> tuple[object]:
+        return (cuda._SUCCESS if event in self.finished else cuda._NOT_READY,)
+
+    def cuStreamWaitEvent(self, stream: object, event: str, flags: int) -> tuple[object]:
+        self.waits.append(("event", event))
+        return (cuda._SUCCESS,)
+
+    def cuStreamWaitValue64(self, stream, addr, value, flags) -> tuple[object]:
+        self.waits.append(("counter", value))
+        return (cuda._SUCCESS,)
+
+
+@pytest.fixture
+def marked(monkeypatch):
+    """A CudaStream's marker bookkeeping on a fake driver: ``written`` lists the
+    counter markers, ``driver`` the rest."""
+    driver = _FakeDriver()
+    monkeypatch.setattr(cuda, "cu", driver)
+    s = cuda.CudaStream.__new__(cuda.CudaStream)
+    s._seq = s._marked = s._issued_mark = s._counter_mark = s._done_seq = 0
+    s._events, s._pending, s._after_copy = None, None, False
+    s._copy_marks, s._free_events = cuda.deque(), []
+    s._marker_lock = threading.Lock()
+    s._counter = ctypes.c_uint64(0)
+    s.raw, s.caddr = "stream", 0x1000
+    written: list[int] = []
+    s._write_marker = lambda seq: written.append(seq) or 0
+    return s, driver, written
+
+
+def _submit(s, copy: bool) -> int:
+    s._seq += 1
+    s._after_copy = copy
+    return s._seq
+
+
+def test_a_marker_after_a_kernel_writes_the_counter_and_after_a_copy_records_an_event(
+    marked,
+) -> None:
+    s, _, written = marked
+    kernel = _submit(s, copy=False)
+    s._place_marker()
+    copy = _submit(s, copy=True)
+    s._place_marker()
+    forced = _submit(s, copy=True)
+    s._place_marker(counter=True)  # what a foreign stream's counter wait needs
+
+    assert written == [kernel, forced]
+    assert [seq for seq, _ in s._copy_marks] == [copy]
+    assert s._counter_mark == forced and s._marked == s._issued_mark == forced
+
+
+def test_a_finished_copy_marker_counts_even_after_its_event_is_reused(marked) -> None:
+    s, driver, _ = marked
+    _submit(s, copy=False)
+    s._place_marker()
+    s._counter.value = 1  # the GPU wrote the kernel's marker
+    copy = _submit(s, copy=True)
+    s._place_marker()
+
+    assert s._completed_counter() == 1  # the copy's event has not finished
+    driver.finished.add(driver.created[0])
+    assert s._completed_counter() == copy
+    assert not s._copy_marks and s._free_events == [driver.created[0]]
+    assert s._completed_counter() == copy  # the counter still says 1; the event said more
+
+    again = _submit(s, copy=True)
+    s._place_marker()
+    assert driver.created == ["event0"]  # reused, not created again
+    assert s._completed_counter() == copy  # recorded again: not finished
+    s._counter.value = again  # a later counter marker passed it: taken back unqueried
+    assert s._completed_counter() == again and not s._copy_marks
+
+
+def test_other_streams_wait_on_the_marker_event_else_on_the_counter(marked) -> None:
+    s, driver, _ = marked
+    kernel = _submit(s, copy=False)
+    s._place_marker()
+    copy = _submit(s, copy=True)
+    s._place_marker()
+
+    s._device_wait_for("other", copy)
+    s._device_wait_for("other", kernel)  # its own counter marker comes first
+    assert driver.waits == [("event", "event0"), ("counter", kernel)]
+
+    driver.finished.add("event0")
+    s._completed_counter()  # the event finished and went back to the free list
+    driver.waits.clear()
+    s._device_wait_for("other", copy)
+    assert driver.waits == []  # finished: nothing to wait for
+
+    later = _submit(s, copy=False)
+    s._place_marker()
+    s._device_wait_for("other", later)
+    assert driver.waits == [("counter", later)]
