@@ -578,13 +578,17 @@ class CudaStream(_PolledStream):
         with self._marker_lock:
             for s, e in self._events if self._events is not None else self._copy_marks:
                 if s >= seq:
-                    if self._events is None and seq <= self._counter_mark <= s:
+                    if self._events is None and seq <= self._counter_mark < s:
                         break  # a counter marker comes first
                     _check(cu.cuStreamWaitEvent(waiter, e, 0), "cuStreamWaitEvent")
                     return
             else:
-                if self._events is not None or (self._counter_mark < seq and self._done_seq >= seq):
-                    return  # its marker event finished and was taken back: nothing to wait for
+                # No marker event at or after ``seq`` is left: either its event
+                # finished and was taken back (nothing to wait for; the next counter
+                # marker may still be held back behind host work, so never wait on
+                # the counter then), or a counter marker covers ``seq``.
+                if self._events is not None or self._done_seq >= seq or self._counter.value >= seq:
+                    return
         _check(cu.cuStreamWaitValue64(waiter, self.caddr, seq, _GEQ), "cuStreamWaitValue64")
 
     def _prune(self) -> None:

@@ -451,5 +451,26 @@ def test_other_streams_wait_on_the_marker_event_else_on_the_counter(marked) -> N
 
     later = _submit(s, copy=False)
     s._place_marker()
+    s._device_wait_for("other", copy)  # still finished, though a counter marker came since
+    assert driver.waits == []
     s._device_wait_for("other", later)
     assert driver.waits == [("counter", later)]
+
+
+def test_a_wait_for_a_finished_copy_never_waits_on_a_counter_marker_held_back(marked) -> None:
+    """The soak deadlocked on the H200 when this was wrong: the copy's marker event
+    had finished and gone back, the next counter marker sat behind held host work,
+    and another stream waited on the device for that counter."""
+    s, driver, written = marked
+    copy = _submit(s, copy=True)
+    s._place_marker()
+    driver.finished.add("event0")
+    s._completed_counter()
+    s._pending = cuda.deque()  # held behind host work from here on
+    _submit(s, copy=False)
+    s._place_marker()
+    assert written == [] and s._counter_mark > copy  # the counter marker is held back
+
+    s._device_wait_for("other", copy)
+
+    assert driver.waits == []
