@@ -517,13 +517,14 @@ class CudaStream(_PolledStream):
             marks = self._events if self._events is not None else self._copy_marks
             with self._marker_lock:
                 free = self._free_events
-                e = (
-                    free.pop()
-                    if free
-                    else _check(
-                        cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
-                    )
-                )
+                if free:
+                    e = free.pop()
+                else:
+                    # Any thread may place a marker (the watcher does for idle
+                    # streams), and creating an event needs the context current.
+                    self.backend.make_current()
+                    flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+                    e = _check(cu.cuEventCreate(flags), "cuEventCreate")
                 err = cu.cuEventRecord(e, self.raw)[0]
                 if err != _SUCCESS:
                     free.append(e)

@@ -383,6 +383,8 @@ def marked(monkeypatch):
     s._marker_lock = threading.Lock()
     s._counter = ctypes.c_uint64(0)
     s.raw, s.caddr = "stream", 0x1000
+    s.backend = type("B", (), {"current": 0})()
+    s.backend.make_current = lambda: setattr(s.backend, "current", s.backend.current + 1)
     written: list[int] = []
     s._write_marker = lambda seq: written.append(seq) or 0
     return s, driver, written
@@ -424,6 +426,7 @@ def test_a_finished_copy_marker_counts_even_after_its_event_is_reused(marked) ->
     assert not s._copy_marks and s._free_events == [driver.created[0]]
     assert s._completed_counter() == copy  # the counter still says 1; the event said more
 
+    assert s.backend.current == 1  # made current before creating (the watcher places some)
     again = _submit(s, copy=True)
     s._place_marker()
     assert driver.created == ["event0"]  # reused, not created again
