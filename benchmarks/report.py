@@ -209,7 +209,51 @@ def render_probe(probe: dict[str, Any]) -> str:
         f"| launch and marker in one call | | "
         f"{_f(probe.get('native_launch_4args_and_marker_us'), '{:.2f}')} | |"
     )
+    if "layer_stream_launch_4args_us" in probe:
+        out += ["", *_render_layers(probe)]
     return "\n".join(out)
+
+
+def _render_layers(probe: dict[str, Any]) -> list[str]:
+    """Where ``enqueue_function``'s host time goes: its layers, outermost last,
+    and the pieces of the stream's layer timed alone."""
+    layers = [
+        ("`_native.launch`: the driver call, arguments packed", "native_launch_4args_packed_us"),
+        (
+            "`CudaStream.launch`: lock, order, event, markers, retiring",
+            "layer_stream_launch_4args_us",
+        ),
+        (
+            "`DeviceContext.enqueue_function`: checks, geometry look-up",
+            "layer_enqueue_function_4args_us",
+        ),
+        ("the same, 10,000 calls per round", "layer_enqueue_function_4args_10k_calls_us"),
+        (
+            "the same, the garbage collector off",
+            "layer_enqueue_function_4args_10k_calls_no_gc_us",
+        ),
+    ]
+    out = ["| layer of a 4-argument launch (host µs, median) | µs | above the layer below |"]
+    out.append("| --- | --- | --- |")
+    below = None
+    for i, (what, key) in enumerate(layers):
+        v = probe.get(key)
+        step = ""
+        if i < 3 and below is not None and v is not None:
+            step = f"+{v - below:.2f}"
+        out.append(f"| {what} | {_f(v, '{:.2f}')} | {step} |")
+        if i < 3:
+            below = v
+    pieces = [
+        ("the submit lock (`RLock`)", "piece_submit_lock_us"),
+        ("a `DeviceEvent`", "piece_event_init_us"),
+        ("`_before_submit`", "piece_before_submit_us"),
+        ("`_prune`", "piece_prune_us"),
+        ("the geometry look-up", "piece_cfg_lookup_us"),
+    ]
+    out += ["", "| piece of the stream's layer, timed alone | µs |", "| --- | --- |"]
+    out += [f"| {what} | {_f(probe.get(key), '{:.2f}')} |" for what, key in pieces]
+    return out
 
 
 def render_across(paths: list[str]) -> str:
