@@ -27,6 +27,7 @@ import asyncgpu as ag
 from asyncgpu import _cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import environment_info
 from bench_fastpaths import SRC  # its "empty" and "axpy" kernels
 
 
@@ -59,7 +60,7 @@ def main() -> dict[str, Any]:
     from cuda.bindings import driver as cu
     from cuda.core import LaunchConfig, launch
 
-    out: dict[str, Any] = {"native": _cuda._native is not None}
+    out: dict[str, Any] = {"environment": environment_info(), "native": _cuda._native is not None}
     with ag.DeviceContext(api="cuda") as ctx:
         out["native"] = _cuda._native is not None
         native = _cuda._native
@@ -181,6 +182,8 @@ def main() -> dict[str, Any]:
         cu.cuEventDestroy(ev)
         _cuda._slab.give_back(counter)
     for k, v in out.items():
+        if k == "environment":
+            continue
         print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

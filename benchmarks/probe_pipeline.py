@@ -32,6 +32,7 @@ import asyncgpu as ag
 from asyncgpu import _cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import environment_info
 from bench_fastpaths import SRC  # its in-place "scale" kernel
 
 
@@ -194,7 +195,10 @@ def main() -> dict[str, Any]:
     p.add_argument("--json")
     p.add_argument("--reps", type=int, default=5)
     a = p.parse_args()
-    out: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "environment": environment_info(),
+    }
     with ag.DeviceContext(api="cuda") as ctx:
         out["device"] = ctx.name()
         results: dict[str, dict[str, float]] = {}
