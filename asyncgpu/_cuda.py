@@ -8,8 +8,9 @@ plain memory (see ``_engine``). Cross-stream and cross-device waits wait on the
 same counters on the device (``cuStreamWaitValue64``). The exception is a
 marker right after a copy or memset: that one is a recorded driver event
 (``cuEventRecord``), queried by the host and waited on with
-``cuStreamWaitEvent``. A counter write there, whose memory fence waits for the
-copy engines, cost the H200 a tenth of its copy/compute overlap (2026-12-04). Host work on a stream
+``cuStreamWaitEvent``. A counter write there, whose memory fence seems to wait
+for the copy engine, cut a 4-stream copy/kernel pipeline's gain on the H200
+from 1.80x to 1.57x (2026-12-04). Host work on a stream
 (CPU functions, CPU ranges, pageable copies) runs on the CPU pool once the
 stream reaches it; what is enqueued behind it is held on the host and handed
 to the driver when it finishes (``_PolledStream``'s held submission), so no
