@@ -4,7 +4,8 @@
 #                [--sanitize]  (also: the CUDA test cases under compute-sanitizer memcheck)
 #                [--exit-check] (also: each test file in its own process, with its exit status)
 #                [--gdb=tests/test_x.py] (also: that file under cuda-gdb, for a native backtrace)
-#                [--probe] (also: benchmarks/probe_driver.py, the driver calls' host cost)
+#                [--probe] (also: benchmarks/probe_driver.py: the driver calls' host cost, the
+#                layers of a launch, the copy/kernel pipeline by kind of marker)
 # Writes under $OUT (at most 8 files): env.txt, tests.log (with memcheck's log), tests.json,
 # bench.json, bench.log, probe.json, soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 # The H200 image lacks some test dependencies; carry them as wheels (device tool: carry .whl,

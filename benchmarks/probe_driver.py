@@ -178,11 +178,19 @@ def main() -> dict[str, Any]:
         from bench_fastpaths import launch as bench_launch
 
         out["bench_launch_section"] = bench_launch(ctx, False)
+        # The copy/kernel pipeline by kind of marker after each copy (8 MiB chunks,
+        # three rounds): keeps the marker choice visible in every full device call.
+        from probe_pipeline import run_size
+
+        try:
+            out["pipeline_8mib"] = run_size(ctx, 8, 3)
+        except Exception as exc:  # a probe's failure must not lose the rest
+            out["pipeline_8mib"] = f"error: {type(exc).__name__}: {exc}"
         sync()
         cu.cuEventDestroy(ev)
         _cuda._slab.give_back(counter)
     for k, v in out.items():
-        if k == "environment":
+        if k in ("environment", "pipeline_8mib", "bench_launch_section"):
             continue
         print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
     if a.json:
