@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _interop
+from . import _accel, _interop
 from ._buffer import DeviceBuffer, HostBuffer
 from ._compiler import compile_cuda, dump_sass, write_dump
 from ._engine import cpu_pool, pool_size, watcher
@@ -145,14 +145,14 @@ def _entry_point(name: str) -> int:
 
 def _bind_native() -> None:
     global _native
-    if _native is not None or os.environ.get("ASYNCGPU_NATIVE", "1") == "0":
+    native = _accel.native
+    if _native is not None or native is None or os.environ.get("ASYNCGPU_NATIVE", "1") == "0":
         return
     try:
-        from . import _native as native
-
         native.bind(_entry_point("cuLaunchKernel"), _entry_point("cuStreamWriteValue64"))
-    except (ImportError, DeviceError, ValueError):
-        return  # not built, or a driver without these entry points: cuda.bindings
+    except (DeviceError, ValueError):
+        return  # a driver without these entry points: cuda.bindings
+    native.configure(DeviceEvent, watcher.sweep_later, _PolledStream.MARK_EVERY)
     _native = native
 
 
@@ -437,6 +437,7 @@ class CudaStream(_PolledStream):
         self.caddr = _slab.take()
         self.saddr = _slab.take()
         self._counter = ctypes.c_uint64.from_address(self.caddr)
+        self._counter_in_c = True  # the C fast path may read the counter at caddr
         self._hostsig = ctypes.c_uint64.from_address(self.saddr)
         self._marker_lock = threading.Lock()
         self._free_events: list[Any] = []
@@ -617,46 +618,23 @@ class CudaStream(_PolledStream):
     ) -> DeviceEvent:
         impl: _CudaFunction = fn._impl
         plan = impl.last if impl is not None else None
-        if plan is None or plan.codes is None or constant_memory or not cfg.dims:
-            return self._launch(fn, impl, args, cfg, constant_memory)
-        # The fast path (``_native``): the function's last plan, checked, packed and
-        # launched in one C call, with the completion marker when the stream's
-        # completions are being awaited.
-        ev = None
-        with self._submit_lock:
-            if self._pending is None:
-                self._before_submit()
-                mem = self._param_mem.get(plan) or self._param_memory(plan)
-                seq = self._seq + 1
-                eager = self._eager
-                marker = eager and self._events is None  # counter markers only
-                err = _native.launch(
-                    impl.handle, cfg.dims, self.h, plan.types, plan.codes, args,
-                    mem.addr, mem.pointers, self.caddr if marker else 0, seq,
-                )  # fmt: skip
-                if err == 0:
-                    self._seq = seq
-                    self._after_copy = False
-                    ev = DeviceEvent(self, seq, args)
-                    self._inflight.append(ev)
-                    if marker:
-                        self._marked = self._issued_mark = self._counter_mark = seq
-                    elif eager:
-                        self._place_marker()
-                elif err > 0:
-                    self._launch_failed(err, seq, args)
-        if ev is None:  # held, or -1: the arguments are not the last plan's
-            return self._launch(fn, impl, args, cfg, constant_memory)
-        self._prune()
-        return ev
+        if plan is not None and plan.codes is not None and not constant_memory and cfg.dims:
+            # The fast path, one C call (``_native.stream_launch``): under the submit
+            # lock, the marker rules of ``_before_submit``, the function's last plan
+            # checked and packed, ``cuLaunchKernel`` with the counter marker when the
+            # stream is eager, the event; then ``_prune``. None: nothing launched.
+            ev = _native.stream_launch(self, impl.handle, cfg.dims, plan, args)
+            if ev is not None:
+                return ev  # type: ignore[no-any-return]
+        return self._launch(fn, impl, args, cfg, constant_memory)
 
     def _launch_failed(self, err: int, seq: int, args: tuple[Any, ...]) -> None:
-        if err < _native.MARKER_FAILED:
+        if err < _accel.native.MARKER_FAILED:
             raise _error(err, "cuLaunchKernel")
         self._seq = seq  # the kernel went in; its marker did not
         self._after_copy = False
         self._inflight.append(DeviceEvent(self, seq, args))
-        raise _error(err - _native.MARKER_FAILED, "cuStreamWriteValue64")
+        raise _error(err - _accel.native.MARKER_FAILED, "cuStreamWriteValue64")
 
     def _param_memory(self, plan: _ArgPlan) -> _ParamMemory:
         mem = self._param_mem[plan] = _ParamMemory(8 * len(plan.codes or ()))

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
+from ._accel import native
 from ._errors import AsyncGPUError
 
 if TYPE_CHECKING:
@@ -39,16 +40,11 @@ _get_running_loop = asyncio._get_running_loop
 _get_ident = threading.get_ident
 
 
-class DeviceEvent:
-    """Completion point of an operation on a stream (``await``-able).
-
-    ``await event`` (asyncio or trio) returns the operation's value or raises its
-    error and never blocks the event loop; ``synchronize()`` blocks the calling
-    thread; ``query()`` never blocks.
-    """
+class _EventFields:
+    """The fields of a DeviceEvent where the C extension is not built (its
+    ``EventCore`` has the same fields, initialised the same way)."""
 
     __slots__ = (
-        "__weakref__",
         "_done",
         "_error",
         "_handle",
@@ -75,7 +71,8 @@ class DeviceEvent:
         self._handle: Any = None  # backend object of a user event (a CUevent on CUDA)
         self._timing: Any = False  # user events: timing on, and the host stamp
 
-    # -- completion (called by the stream that owns the event) ---------------------
+    # -- completion (called by the stream that owns the event; in C where the
+    # extension is built, where the GIL alone makes each of them atomic) ----------
 
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
         """Mark done and wake every waiter. Called exactly once, from any thread."""
@@ -98,14 +95,7 @@ class DeviceEvent:
                 self._keep = None
             waiters, self._waiters = self._waiters, None
         if waiters:
-            # Awaiting tasks first, then callbacks (which may start the stream's next
-            # operation), so tasks wake in completion order.
-            for w in waiters:
-                if type(w) is _LoopWaiter:
-                    _wake(w, self)
-            for w in waiters:
-                if type(w) is not _LoopWaiter:
-                    w(self)
+            _wake_all(self, waiters)  # type: ignore[arg-type]
 
     def _add_waiter(self, waiter: Any) -> bool:
         """Register a waiter; False if the event is already done (caller resolves)."""
@@ -120,6 +110,33 @@ class DeviceEvent:
             else:
                 self._waiters.append(waiter)
             return True
+
+
+# The fields live in C where the extension is built: creating the event of an
+# operation is then one allocation, and the CUDA launch creates it without Python.
+if TYPE_CHECKING:
+    _EventBase = _EventFields
+elif native is not None:
+    _EventBase = native.EventCore
+else:
+    _EventBase = _EventFields
+
+
+class DeviceEvent(_EventBase):
+    """Completion point of an operation on a stream (``await``-able).
+
+    ``await event`` (asyncio or trio) returns the operation's value or raises its
+    error and never blocks the event loop; ``synchronize()`` blocks the calling
+    thread; ``query()`` never blocks.
+    """
+
+    __slots__ = ("__weakref__",)
+
+    def _wake_waiters(self, waiters: list[Any]) -> None:
+        """Wake the waiters of a finished event (``_finish`` calls this): awaiting
+        tasks first, then callbacks (which may start the stream's next operation),
+        so tasks wake in completion order."""
+        _wake_all(self, waiters)
 
     def _outcome(self) -> Any:
         if self._error is not None:
@@ -207,7 +224,7 @@ class DeviceEvent:
 _lock_guard = threading.Lock()
 
 
-def _new_lock(ev: DeviceEvent) -> threading.Lock:
+def _new_lock(ev: _EventFields) -> threading.Lock:
     with _lock_guard:
         if ev._lock is None:
             ev._lock = threading.Lock()
@@ -230,6 +247,15 @@ class _LoopWaiter:
 def _set_future(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _wake_all(ev: DeviceEvent, waiters: list[Any]) -> None:
+    for w in waiters:
+        if type(w) is _LoopWaiter:
+            _wake(w, ev)
+    for w in waiters:
+        if type(w) is not _LoopWaiter:
+            w(ev)
 
 
 def _wake(waiter: Any, ev: DeviceEvent) -> None:

@@ -23,6 +23,7 @@
 #define Py_LIMITED_API 0x030A0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -205,6 +206,77 @@ static int pack_one(char code, PyObject *a, unsigned char *slot) {
     }
 }
 
+/* The geometry (gx, gy, gz, bx, by, bz, shmem) into d. */
+static int parse_dims(PyObject *dims, unsigned long long d[7]) {
+    Py_ssize_t i;
+    if (!PyTuple_Check(dims) || PyTuple_Size(dims) != 7) {
+        PyErr_SetString(PyExc_TypeError, "launch: dims is a tuple of 7 integers");
+        return -1;
+    }
+    for (i = 0; i < 7; i++)
+        if (as_u64(PyTuple_GetItem(dims, i), &d[i]))
+            return -1;
+    return 0;
+}
+
+/* 0: the arguments have the plan's types exactly; 1: they do not (nothing may be
+ * launched, the general path takes over); -1 with an exception: a bad plan. */
+static int plan_matches(PyObject *types, PyObject *codes, PyObject *argt) {
+    Py_ssize_t nargs, i;
+    if (!PyTuple_Check(types) || !PyBytes_Check(codes) || !PyTuple_Check(argt)) {
+        PyErr_SetString(PyExc_TypeError, "launch: types and args are tuples, codes bytes");
+        return -1;
+    }
+    nargs = PyTuple_Size(argt);
+    if (PyBytes_Size(codes) != PyTuple_Size(types) || nargs > MAX_ARGS) {
+        PyErr_SetString(PyExc_ValueError, "launch: a plan has one code per type");
+        return -1;
+    }
+    if (PyTuple_Size(types) != nargs)
+        return 1; /* another number of arguments than the plan's */
+    for (i = 0; i < nargs; i++)
+        if ((PyObject *)Py_TYPE(PyTuple_GetItem(argt, i)) != PyTuple_GetItem(types, i))
+            return 1;
+    return 0;
+}
+
+/* Pack every argument into its 8-byte slot at data: 0 done, 1 an argument cannot
+ * be used here (the general path takes over), -1 with an exception set. */
+static int pack_args(PyObject *codes, PyObject *argt, unsigned long long data) {
+    const char *code = PyBytes_AsString(codes);
+    Py_ssize_t nargs = PyTuple_Size(argt), i;
+    if (nargs && data == 0) {
+        PyErr_SetString(PyExc_ValueError, "launch: no parameter memory");
+        return -1;
+    }
+    for (i = 0; i < nargs; i++) {
+        int rc = pack_one(code[i], PyTuple_GetItem(argt, i),
+                          (unsigned char *)(uintptr_t)(data + 8 * i));
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+/* cuLaunchKernel, then (counter != 0, and the launch went in) the marker
+ * cuStreamWriteValue64(stream, counter, value), in one release of the GIL. */
+static int launch_and_mark(unsigned long long func, const unsigned long long d[7],
+                           unsigned long long st, Py_ssize_t nargs, unsigned long long ptrs,
+                           unsigned long long counter, unsigned long long value) {
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = p_launch((void *)(uintptr_t)func, (unsigned)d[0], (unsigned)d[1], (unsigned)d[2],
+                   (unsigned)d[3], (unsigned)d[4], (unsigned)d[5], (unsigned)d[6],
+                   (void *)(uintptr_t)st, nargs ? (void **)(uintptr_t)ptrs : NULL, NULL);
+    if (err == 0 && counter) {
+        err = p_write64((void *)(uintptr_t)st, counter, value, 0);
+        if (err)
+            err += MARKER_FAILED;
+    }
+    Py_END_ALLOW_THREADS
+    return err;
+}
+
 /* launch(func, dims, stream, types, codes, args, data, pointers[, counter, value])
  *   -> CUresult, or -1 when an argument's type is not the plan's (nothing launched).
  *
@@ -218,10 +290,8 @@ static int pack_one(char code, PyObject *a, unsigned char *slot) {
  */
 static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     unsigned long long func, st, data, ptrs, counter = 0, value = 0, d[7];
-    PyObject *dims, *types, *codes, *argt;
-    Py_ssize_t nargs, i;
-    const char *code;
-    int err;
+    Py_ssize_t nargs;
+    int rc;
     if (n != 8 && n != 10) {
         PyErr_SetString(PyExc_TypeError,
                         "launch(func, dims, stream, types, codes, args, data, pointers"
@@ -233,52 +303,791 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         return NULL;
     if (n == 10 && (as_u64(args[8], &counter) || as_u64(args[9], &value)))
         return NULL;
-    dims = args[1];
-    types = args[3];
-    codes = args[4];
-    argt = args[5];
-    if (!PyTuple_Check(dims) || PyTuple_Size(dims) != 7 || !PyTuple_Check(types) ||
-        !PyBytes_Check(codes) || !PyTuple_Check(argt)) {
-        PyErr_SetString(PyExc_TypeError, "launch: dims, types and args are tuples, codes bytes");
+    if (parse_dims(args[1], d))
         return NULL;
-    }
-    for (i = 0; i < 7; i++)
-        if (as_u64(PyTuple_GetItem(dims, i), &d[i]))
-            return NULL;
-    nargs = PyTuple_Size(argt);
-    if (PyBytes_Size(codes) != PyTuple_Size(types) || nargs > MAX_ARGS) {
-        PyErr_SetString(PyExc_ValueError, "launch: a plan has one code per type");
-        return NULL;
-    }
-    if (PyTuple_Size(types) != nargs)
-        return PyLong_FromLong(-1); /* another number of arguments than the plan's */
-    if (nargs && (data == 0 || ptrs == 0)) {
+    rc = plan_matches(args[3], args[4], args[5]);
+    if (rc)
+        return rc < 0 ? NULL : PyLong_FromLong(-1);
+    nargs = PyTuple_Size(args[5]);
+    if (nargs && ptrs == 0) {
         PyErr_SetString(PyExc_ValueError, "launch: no parameter memory");
         return NULL;
     }
-    code = PyBytes_AsString(codes);
-    for (i = 0; i < nargs; i++) {
-        PyObject *a = PyTuple_GetItem(argt, i);
-        if ((PyObject *)Py_TYPE(a) != PyTuple_GetItem(types, i))
-            return PyLong_FromLong(-1);
+    rc = pack_args(args[4], args[5], data);
+    if (rc)
+        return rc < 0 ? NULL : PyLong_FromLong(-1);
+    return PyLong_FromLong(launch_and_mark(func, d, st, nargs, ptrs, counter, value));
+}
+
+/* ---------------------------------------------------------------------------------
+ * EventCore: the fields of asyncgpu.DeviceEvent, which subclasses it (_event.py). A
+ * C type, so that creating the event of an operation costs one allocation, not
+ * eleven attribute stores, and the launch below creates it without Python.
+ */
+
+static void replace_ref(PyObject **slot, PyObject *new_ref);
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *stream, *value, *error, *waiters, *keep, *lock, *node, *handle, *timing;
+    long long seq;
+    char done;
+} EventCore;
+
+static PyTypeObject *event_core_type = NULL; /* EventCore */
+static PyTypeObject *event_type = NULL;      /* DeviceEvent, set by configure() */
+
+static PyMemberDef event_members[] = {
+    {"_stream", T_OBJECT, offsetof(EventCore, stream), 0, NULL},
+    {"_seq", T_LONGLONG, offsetof(EventCore, seq), 0, NULL},
+    {"_done", T_BOOL, offsetof(EventCore, done), 0, NULL},
+    {"_value", T_OBJECT, offsetof(EventCore, value), 0, NULL},
+    {"_error", T_OBJECT, offsetof(EventCore, error), 0, NULL},
+    {"_waiters", T_OBJECT, offsetof(EventCore, waiters), 0, NULL},
+    {"_keep", T_OBJECT, offsetof(EventCore, keep), 0, NULL},
+    {"_lock", T_OBJECT, offsetof(EventCore, lock), 0, NULL},
+    {"_node", T_OBJECT, offsetof(EventCore, node), 0, NULL},
+    {"_handle", T_OBJECT, offsetof(EventCore, handle), 0, NULL},
+    {"_timing", T_OBJECT, offsetof(EventCore, timing), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+/* A new event of type tp (the caller's references to stream and keep are not
+ * taken: they are increfed here). */
+static PyObject *event_new_of(PyTypeObject *tp, PyObject *stream, long long seq, PyObject *keep) {
+    allocfunc alloc = (allocfunc)PyType_GetSlot(tp, Py_tp_alloc);
+    EventCore *ev = (EventCore *)alloc(tp, 0);
+    if (ev == NULL)
+        return NULL;
+    if (stream != Py_None) {
+        Py_INCREF(stream);
+        ev->stream = stream;
     }
-    for (i = 0; i < nargs; i++) {
-        int rc = pack_one(code[i], PyTuple_GetItem(argt, i),
-                          (unsigned char *)(uintptr_t)(data + 8 * i));
-        if (rc)
-            return rc < 0 ? NULL : PyLong_FromLong(-1);
+    if (keep != Py_None) {
+        Py_INCREF(keep);
+        ev->keep = keep;
     }
-    Py_BEGIN_ALLOW_THREADS
-    err = p_launch((void *)(uintptr_t)func, (unsigned)d[0], (unsigned)d[1], (unsigned)d[2],
-                   (unsigned)d[3], (unsigned)d[4], (unsigned)d[5], (unsigned)d[6],
-                   (void *)(uintptr_t)st, nargs ? (void **)(uintptr_t)ptrs : NULL, NULL);
-    if (err == 0 && counter) {
-        err = p_write64((void *)(uintptr_t)st, counter, value, 0);
-        if (err)
-            err += MARKER_FAILED;
+    Py_INCREF(Py_False);
+    ev->timing = Py_False;
+    ev->seq = seq;
+    return (PyObject *)ev;
+}
+
+/* DeviceEvent(stream=None, seq=0, keep=None) */
+static PyObject *event_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"stream", "seq", "keep", NULL};
+    PyObject *stream = Py_None, *keep = Py_None;
+    long long seq = 0;
+    Py_ssize_t n = PyTuple_Size(args);
+    if (kwds == NULL && n <= 3) {
+        if (n > 0)
+            stream = PyTuple_GetItem(args, 0);
+        if (n > 1) {
+            seq = PyLong_AsLongLong(PyTuple_GetItem(args, 1));
+            if (seq == -1 && PyErr_Occurred())
+                return NULL;
+        }
+        if (n > 2)
+            keep = PyTuple_GetItem(args, 2);
+    } else if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OLO:DeviceEvent", names, &stream,
+                                            &seq, &keep)) {
+        return NULL;
     }
-    Py_END_ALLOW_THREADS
-    return PyLong_FromLong(err);
+    return event_new_of(tp, stream, seq, keep);
+}
+
+static int event_traverse(PyObject *self, visitproc visit, void *arg) {
+    EventCore *ev = (EventCore *)self;
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(ev->stream);
+    Py_VISIT(ev->value);
+    Py_VISIT(ev->error);
+    Py_VISIT(ev->waiters);
+    Py_VISIT(ev->keep);
+    Py_VISIT(ev->lock);
+    Py_VISIT(ev->node);
+    Py_VISIT(ev->handle);
+    Py_VISIT(ev->timing);
+    return 0;
+}
+
+static int event_clear(PyObject *self) {
+    EventCore *ev = (EventCore *)self;
+    Py_CLEAR(ev->stream);
+    Py_CLEAR(ev->value);
+    Py_CLEAR(ev->error);
+    Py_CLEAR(ev->waiters);
+    Py_CLEAR(ev->keep);
+    Py_CLEAR(ev->lock);
+    Py_CLEAR(ev->node);
+    Py_CLEAR(ev->handle);
+    Py_CLEAR(ev->timing);
+    return 0;
+}
+
+static void event_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    PyObject_GC_UnTrack(self);
+    event_clear(self);
+    free_(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *s_wake_waiters;
+
+/* _finish(value=None, error=None): mark done (unless it already is), drop what
+ * the event kept, and wake every waiter (DeviceEvent._wake_waiters). Under the
+ * GIL, with no Python code run before the waiters are taken, it is atomic
+ * against _add_waiter: no lock is needed. */
+static PyObject *event_finish(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    EventCore *ev = (EventCore *)self;
+    PyObject *value, *error, *waiters, *keep = NULL;
+    int wake;
+    if (n > 2) {
+        PyErr_SetString(PyExc_TypeError, "_finish(value=None, error=None)");
+        return NULL;
+    }
+    value = n > 0 ? args[0] : Py_None;
+    error = n > 1 ? args[1] : Py_None;
+    if (!ev->done) {
+        Py_INCREF(value);
+        replace_ref(&ev->value, value);
+        Py_INCREF(error);
+        replace_ref(&ev->error, error);
+        ev->done = 1;
+        keep = ev->keep; /* dropped last: its release may run any code */
+        ev->keep = NULL;
+    }
+    waiters = ev->waiters;
+    ev->waiters = NULL;
+    wake = waiters != NULL && waiters != Py_None && PyObject_IsTrue(waiters) == 1;
+    Py_XDECREF(keep);
+    if (wake) {
+        PyObject *r = PyObject_CallMethodObjArgs(self, s_wake_waiters, waiters, NULL);
+        Py_DECREF(waiters);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    } else {
+        Py_XDECREF(waiters);
+    }
+    Py_RETURN_NONE;
+}
+
+/* _add_waiter(waiter) -> bool: register a waiter; False if the event is already
+ * done (the caller resolves it). Atomic under the GIL. */
+static PyObject *event_add_waiter(PyObject *self, PyObject *waiter) {
+    EventCore *ev = (EventCore *)self;
+    if (ev->done)
+        Py_RETURN_FALSE;
+    if (ev->waiters == NULL || ev->waiters == Py_None) {
+        PyObject *l = PyList_New(1);
+        if (l == NULL)
+            return NULL;
+        Py_INCREF(waiter);
+        PyList_SetItem(l, 0, waiter);
+        replace_ref(&ev->waiters, l);
+    } else if (PyList_Append(ev->waiters, waiter)) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef event_methods[] = {
+    {"_finish", (PyCFunction)(void (*)(void))event_finish, METH_FASTCALL,
+     "Mark done and wake every waiter. Called exactly once, from any thread."},
+    {"_add_waiter", event_add_waiter, METH_O,
+     "Register a waiter; False if the event is already done (caller resolves)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot event_slots[] = {
+    {Py_tp_methods, event_methods},
+    {Py_tp_new, (void *)event_tp_new},
+    {Py_tp_traverse, (void *)event_traverse},
+    {Py_tp_clear, (void *)event_clear},
+    {Py_tp_dealloc, (void *)event_dealloc},
+    {Py_tp_members, event_members},
+    {Py_tp_doc, "The fields of a DeviceEvent (asyncgpu._event subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec event_spec = {
+    "asyncgpu._native.EventCore", sizeof(EventCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, event_slots,
+};
+
+/* ---------------------------------------------------------------------------------
+ * StreamCore: the bookkeeping fields of a polled stream (_PolledStream and
+ * CudaStream subclass it), which stream_launch reads and writes directly.
+ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *inflight, *pending, *submit_lock, *param_mem, *events, *copy_marks, *retire_lock;
+    /* cached: the bound acquire/release of submit_lock and retire_lock, the
+     * append and popleft of inflight */
+    PyObject *lock_of, *acquire, *release, *deque_of, *append;
+    PyObject *rlock_of, *racquire, *rrelease, *popdeque_of, *popleft;
+    long long seq, marked, awaited, issued_mark, counter_mark, done_seq;
+    unsigned long long h, caddr;
+    char eager, touched, after_copy, counter_in_c;
+} StreamCore;
+
+static PyTypeObject *stream_core_type = NULL;
+static PyObject *sweep_later = NULL; /* the watcher's sweep_later, set by configure() */
+static long long mark_every = 32;
+static PyObject *s_place_marker, *s_retire, *s_completed, *s_acquire,
+    *s_release, *s_append, *s_popleft, *s_finish_retired, *s_types, *s_codes, *s_addr, *s_pointers;
+
+static PyMemberDef stream_members[] = {
+    {"_inflight", T_OBJECT, offsetof(StreamCore, inflight), 0, NULL},
+    {"_pending", T_OBJECT, offsetof(StreamCore, pending), 0, NULL},
+    {"_submit_lock", T_OBJECT, offsetof(StreamCore, submit_lock), 0, NULL},
+    {"_param_mem", T_OBJECT, offsetof(StreamCore, param_mem), 0, NULL},
+    {"_events", T_OBJECT, offsetof(StreamCore, events), 0, NULL},
+    {"_copy_marks", T_OBJECT, offsetof(StreamCore, copy_marks), 0, NULL},
+    {"_seq", T_LONGLONG, offsetof(StreamCore, seq), 0, NULL},
+    {"_marked", T_LONGLONG, offsetof(StreamCore, marked), 0, NULL},
+    {"_awaited", T_LONGLONG, offsetof(StreamCore, awaited), 0, NULL},
+    {"_issued_mark", T_LONGLONG, offsetof(StreamCore, issued_mark), 0, NULL},
+    {"_counter_mark", T_LONGLONG, offsetof(StreamCore, counter_mark), 0, NULL},
+    {"_done_seq", T_LONGLONG, offsetof(StreamCore, done_seq), 0, NULL},
+    {"h", T_ULONGLONG, offsetof(StreamCore, h), 0, NULL},
+    {"caddr", T_ULONGLONG, offsetof(StreamCore, caddr), 0, NULL},
+    {"_eager", T_BOOL, offsetof(StreamCore, eager), 0, NULL},
+    {"_touched", T_BOOL, offsetof(StreamCore, touched), 0, NULL},
+    {"_after_copy", T_BOOL, offsetof(StreamCore, after_copy), 0, NULL},
+    {"_retire_lock", T_OBJECT, offsetof(StreamCore, retire_lock), 0, NULL},
+    {"_counter_in_c", T_BOOL, offsetof(StreamCore, counter_in_c), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int stream_traverse(PyObject *self, visitproc visit, void *arg) {
+    StreamCore *s = (StreamCore *)self;
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(s->inflight);
+    Py_VISIT(s->pending);
+    Py_VISIT(s->submit_lock);
+    Py_VISIT(s->param_mem);
+    Py_VISIT(s->events);
+    Py_VISIT(s->copy_marks);
+    Py_VISIT(s->lock_of);
+    Py_VISIT(s->acquire);
+    Py_VISIT(s->release);
+    Py_VISIT(s->deque_of);
+    Py_VISIT(s->append);
+    Py_VISIT(s->retire_lock);
+    Py_VISIT(s->rlock_of);
+    Py_VISIT(s->racquire);
+    Py_VISIT(s->rrelease);
+    Py_VISIT(s->popdeque_of);
+    Py_VISIT(s->popleft);
+    return 0;
+}
+
+static int stream_clear(PyObject *self) {
+    StreamCore *s = (StreamCore *)self;
+    Py_CLEAR(s->inflight);
+    Py_CLEAR(s->pending);
+    Py_CLEAR(s->submit_lock);
+    Py_CLEAR(s->param_mem);
+    Py_CLEAR(s->events);
+    Py_CLEAR(s->copy_marks);
+    Py_CLEAR(s->lock_of);
+    Py_CLEAR(s->acquire);
+    Py_CLEAR(s->release);
+    Py_CLEAR(s->deque_of);
+    Py_CLEAR(s->append);
+    Py_CLEAR(s->retire_lock);
+    Py_CLEAR(s->rlock_of);
+    Py_CLEAR(s->racquire);
+    Py_CLEAR(s->rrelease);
+    Py_CLEAR(s->popdeque_of);
+    Py_CLEAR(s->popleft);
+    return 0;
+}
+
+static void stream_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    PyObject_GC_UnTrack(self);
+    stream_clear(self);
+    free_(self);
+    Py_DECREF(tp);
+}
+
+static PyObject *stream_retire(PyObject *self, PyObject *unused);
+
+static PyMethodDef stream_methods[] = {
+    {"_retire", stream_retire, METH_NOARGS,
+     "Finish, in order, every event the markers have passed; True when nothing is "
+     "left in flight (_PolledStream._retire, in C)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot stream_slots[] = {
+    {Py_tp_methods, stream_methods},
+    {Py_tp_traverse, (void *)stream_traverse},
+    {Py_tp_clear, (void *)stream_clear},
+    {Py_tp_dealloc, (void *)stream_dealloc},
+    {Py_tp_members, stream_members},
+    {Py_tp_doc, "The bookkeeping fields of a polled stream (asyncgpu._stream subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec stream_spec = {
+    "asyncgpu._native.StreamCore", sizeof(StreamCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, stream_slots,
+};
+
+static int is_none(PyObject *o) { return o == NULL || o == Py_None; }
+
+/* Store a new reference in *slot, dropping the old one (Py_XSETREF is not in
+ * the limited API). */
+static void replace_ref(PyObject **slot, PyObject *new_ref) {
+    PyObject *old = *slot;
+    *slot = new_ref;
+    Py_XDECREF(old);
+}
+
+/* Refresh a cached bound method (*bound, of the object *of) when the field now
+ * holds another object. */
+static int cache_method(PyObject *obj, PyObject **of, PyObject **bound, PyObject *name) {
+    PyObject *m;
+    if (*of == obj && *bound != NULL)
+        return 0;
+    if (obj == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncgpu: the stream is not initialised");
+        return -1;
+    }
+    m = PyObject_GetAttr(obj, name);
+    if (m == NULL)
+        return -1;
+    Py_INCREF(obj);
+    replace_ref(of, obj);
+    replace_ref(bound, m);
+    return 0;
+}
+
+static int call_method0(PyObject *obj, PyObject *name) {
+    PyObject *r = PyObject_CallMethodObjArgs(obj, name, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int call0(PyObject *fn) {
+    PyObject *r = PyObject_CallObject(fn, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The event at index i of the in-flight deque (a new reference), or NULL. */
+static EventCore *inflight_at(StreamCore *s, Py_ssize_t i) {
+    PyObject *o = PySequence_GetItem(s->inflight, i);
+    if (o == NULL)
+        return NULL;
+    if (!PyObject_TypeCheck(o, event_core_type)) {
+        Py_DECREF(o);
+        PyErr_SetString(PyExc_TypeError, "asyncgpu: a stream holds something not an event");
+        return NULL;
+    }
+    return (EventCore *)o;
+}
+
+/* _PolledStream._before_submit (the rules are documented there). */
+static int before_submit(StreamCore *s) {
+    Py_ssize_t n = PyObject_Size(s->inflight);
+    EventCore *tail;
+    int held;
+    if (n < 0)
+        return -1;
+    if (n == 0) {
+        if (s->eager && s->seq > s->awaited)
+            s->eager = 0; /* drained, and its last operation was not awaited */
+        return 0;
+    }
+    tail = inflight_at(s, -1);
+    if (tail == NULL)
+        return -1;
+    held = Py_REFCNT((PyObject *)tail) > 2; /* more than the deque's and ours */
+    if (tail->seq > s->marked) {
+        if (held || tail->seq - s->marked >= mark_every) {
+            Py_DECREF(tail);
+            return call_method0((PyObject *)s, s_place_marker);
+        }
+    } else if (s->eager && tail->seq > s->awaited && !held) {
+        s->eager = 0; /* nobody awaited or kept the last event: go lazy */
+    }
+    Py_DECREF(tail);
+    return 0;
+}
+
+/* _PolledStream._completed: the highest sequence number known to have finished.
+ * Read here from the counter the GPU writes when only the counter matters (no
+ * copy marker events outstanding, counter completion, a counter in host-mapped
+ * memory: _counter_in_c), else asked of the stream's own _completed(). */
+static int completed(StreamCore *s, long long *out) {
+    PyObject *r;
+    if (s->counter_in_c && s->caddr && is_none(s->events)) {
+        Py_ssize_t marks = s->copy_marks == NULL ? 0 : PyObject_Size(s->copy_marks);
+        if (marks < 0)
+            return -1;
+        if (marks == 0) {
+            long long c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
+            *out = s->done_seq > c ? s->done_seq : c;
+            return 0;
+        }
+    }
+    r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed, NULL);
+    if (r == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* Finish one retired event: here when nobody waits on it and it has no value
+ * (a kernel, copy or memset: set done, drop what it kept), else through the
+ * stream's _finish_retired (host results, waiters to wake). */
+static int finish_retired(StreamCore *s, PyObject *o) {
+    if (PyObject_TypeCheck(o, event_core_type)) {
+        EventCore *ev = (EventCore *)o;
+        if (ev->lock == NULL && is_none(ev->waiters) && is_none(ev->value)) {
+            if (ev->done)
+                return 0;
+            ev->done = 1;
+            Py_CLEAR(ev->keep);
+            return 0;
+        }
+    }
+    {
+        PyObject *r = PyObject_CallMethodObjArgs((PyObject *)s, s_finish_retired, o, NULL);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+/* _PolledStream._retire: finish, in order, every event the markers have passed;
+ * True when nothing is left in flight. Under _retire_lock the finished events are
+ * taken off the deque; they are finished after it is released, each even when
+ * finishing an earlier one raised (the first error is raised at the end). */
+static PyObject *stream_retire(PyObject *self, PyObject *unused) {
+    StreamCore *s = (StreamCore *)self;
+    PyObject *done = NULL, *racquire, *rrelease, *r;
+    PyObject *et = NULL, *evv = NULL, *tb = NULL;
+    long long c;
+    Py_ssize_t n, i;
+    int empty = 0, failed = 0;
+    if (cache_method(s->retire_lock, &s->rlock_of, &s->racquire, s_acquire) ||
+        cache_method(s->retire_lock, &s->rlock_of, &s->rrelease, s_release) ||
+        cache_method(s->inflight, &s->popdeque_of, &s->popleft, s_popleft))
+        return NULL;
+    racquire = s->racquire;
+    rrelease = s->rrelease;
+    Py_INCREF(racquire);
+    Py_INCREF(rrelease);
+    if (call0(racquire)) {
+        Py_DECREF(racquire);
+        Py_DECREF(rrelease);
+        return NULL;
+    }
+    if (completed(s, &c) == 0 && (done = PyList_New(0)) != NULL) {
+        for (;;) {
+            EventCore *head;
+            n = PyObject_Size(s->inflight);
+            if (n <= 0) {
+                empty = n == 0;
+                failed = n < 0;
+                break;
+            }
+            head = inflight_at(s, 0);
+            if (head == NULL) {
+                failed = 1;
+                break;
+            }
+            if (head->seq > c) {
+                Py_DECREF(head);
+                break;
+            }
+            Py_DECREF(head);
+            r = PyObject_CallObject(s->popleft, NULL);
+            if (r == NULL || PyList_Append(done, r)) {
+                Py_XDECREF(r);
+                failed = 1;
+                break;
+            }
+            Py_DECREF(r);
+        }
+    } else {
+        failed = 1;
+    }
+    if (failed)
+        PyErr_Fetch(&et, &evv, &tb);
+    r = PyObject_CallObject(rrelease, NULL);
+    Py_DECREF(racquire);
+    Py_DECREF(rrelease);
+    if (r == NULL) {
+        if (!failed)
+            PyErr_Fetch(&et, &evv, &tb);
+        failed = 1;
+    } else {
+        Py_DECREF(r);
+    }
+    if (done != NULL) {
+        n = PyList_Size(done);
+        for (i = 0; i < n; i++) {
+            if (finish_retired(s, PyList_GetItem(done, i)) && !failed) {
+                PyErr_Fetch(&et, &evv, &tb);
+                failed = 1;
+            } else if (PyErr_Occurred()) {
+                PyErr_Clear(); /* a later error: the first one is raised */
+            }
+        }
+        Py_DECREF(done);
+    }
+    if (failed) {
+        PyErr_Restore(et, evv, tb);
+        return NULL;
+    }
+    return PyBool_FromLong(empty);
+}
+
+/* CudaStream._prune: retire what the counter says has finished, and have the
+ * watcher sweep the stream later. */
+static int prune(StreamCore *s) {
+    Py_ssize_t n = PyObject_Size(s->inflight);
+    if (n < 0)
+        return -1;
+    if (n > 0 && (is_none(s->events) || n >= 64)) {
+        EventCore *head = inflight_at(s, 0);
+        long long c, first;
+        if (head == NULL)
+            return -1;
+        first = head->seq;
+        Py_DECREF(head);
+        if (completed(s, &c))
+            return -1;
+        if (first <= c) {
+            PyObject *r = stream_retire((PyObject *)s, NULL);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
+        }
+    }
+    if (!s->touched) {
+        PyObject *r;
+        s->touched = 1;
+        if (sweep_later != NULL) {
+            r = PyObject_CallFunctionObjArgs(sweep_later, (PyObject *)s, NULL);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
+        }
+    }
+    return 0;
+}
+
+/* The data and pointer-array addresses of a _ParamMemory. */
+static int param_addrs(PyObject *mem, unsigned long long *addr, unsigned long long *ptrs) {
+    PyObject *o = PyObject_GetAttr(mem, s_addr);
+    int rc;
+    if (o == NULL)
+        return -1;
+    rc = as_u64(o, addr);
+    Py_DECREF(o);
+    if (rc)
+        return -1;
+    o = PyObject_GetAttr(mem, s_pointers);
+    if (o == NULL)
+        return -1;
+    rc = as_u64(o, ptrs);
+    Py_DECREF(o);
+    return rc;
+}
+
+/* The launch proper, under the stream's submit lock: a new event, None (the
+ * general path takes it), or NULL with an exception. */
+static PyObject *launch_locked(StreamCore *s, unsigned long long func, const unsigned long long d[7],
+                               PyObject *plan, PyObject *codes, PyObject *argt) {
+    PyObject *mem, *o, *ev;
+    unsigned long long addr = 0, ptrs = 0;
+    long long seq;
+    Py_ssize_t nargs = PyTuple_Size(argt);
+    int marker, err, rc;
+    if (!is_none(s->pending))
+        Py_RETURN_NONE; /* held behind host work */
+    if (before_submit(s))
+        return NULL;
+    if (!is_none(s->pending))
+        Py_RETURN_NONE; /* the marker above was held (another thread held the stream) */
+    mem = PyDict_GetItemWithError(s->param_mem, plan); /* borrowed */
+    if (mem == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE; /* the general path makes the plan's parameter memory */
+    }
+    Py_INCREF(mem);
+    rc = nargs ? param_addrs(mem, &addr, &ptrs) : 0;
+    if (rc == 0)
+        rc = pack_args(codes, argt, addr);
+    Py_DECREF(mem);
+    if (rc)
+        return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    seq = s->seq + 1;
+    marker = s->eager && is_none(s->events); /* counter markers only */
+    err = launch_and_mark(func, d, s->h, nargs, ptrs, marker ? s->caddr : 0,
+                          (unsigned long long)seq);
+    if (err != 0) {
+        PyObject *r = PyObject_CallMethod((PyObject *)s, "_launch_failed", "iLO", err, seq, argt);
+        Py_XDECREF(r);
+        if (r != NULL)
+            PyErr_SetString(PyExc_RuntimeError, "asyncgpu: _launch_failed returned");
+        return NULL;
+    }
+    s->seq = seq;
+    s->after_copy = 0;
+    ev = event_new_of(event_type, (PyObject *)s, seq, argt);
+    if (ev == NULL)
+        return NULL;
+    o = PyObject_CallFunctionObjArgs(s->append, ev, NULL);
+    if (o == NULL) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    Py_DECREF(o);
+    if (marker) {
+        s->marked = s->issued_mark = s->counter_mark = seq;
+    } else if (s->eager && call_method0((PyObject *)s, s_place_marker)) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    return ev;
+}
+
+/* stream_launch(stream, func, dims, plan, args) -> DeviceEvent, or None.
+ *
+ * CudaStream.launch's fast path in one call: under the stream's submit lock,
+ * the marker rules of _before_submit, the arguments checked against the plan
+ * and packed into the stream's parameter memory for it, cuLaunchKernel (with
+ * the counter marker when the stream is eager), the event appended to the
+ * stream's in-flight deque; then _prune. None, with nothing launched, when the
+ * general path must take the launch: the stream is held, the plan has no
+ * parameter memory on this stream yet, or an argument is not the plan's type
+ * or cannot be used (the general path raises the precise error).
+ */
+static PyObject *stream_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    StreamCore *s;
+    PyObject *plan, *types, *codes, *argt, *ev, *r;
+    unsigned long long func, d[7];
+    int rc;
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "stream_launch(stream, func, dims, plan, args)");
+        return NULL;
+    }
+    if (!ready())
+        return NULL;
+    if (event_type == NULL || stream_core_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncgpu._native is not configured");
+        return NULL;
+    }
+    if (!PyObject_TypeCheck(args[0], stream_core_type)) {
+        PyErr_SetString(PyExc_TypeError, "stream_launch: not a polled stream");
+        return NULL;
+    }
+    s = (StreamCore *)args[0];
+    if (!is_none(s->pending))
+        Py_RETURN_NONE;
+    if (as_u64(args[1], &func) || parse_dims(args[2], d))
+        return NULL;
+    plan = args[3];
+    argt = args[4];
+    types = PyObject_GetAttr(plan, s_types);
+    if (types == NULL)
+        return NULL;
+    codes = PyObject_GetAttr(plan, s_codes);
+    if (codes == NULL) {
+        Py_DECREF(types);
+        return NULL;
+    }
+    rc = codes == Py_None ? 1 : plan_matches(types, codes, argt);
+    Py_DECREF(types);
+    if (rc) {
+        Py_DECREF(codes);
+        return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    }
+    if (cache_method(s->submit_lock, &s->lock_of, &s->acquire, s_acquire) ||
+        cache_method(s->submit_lock, &s->lock_of, &s->release, s_release) ||
+        cache_method(s->inflight, &s->deque_of, &s->append, s_append)) {
+        Py_DECREF(codes);
+        return NULL;
+    }
+    /* Hold the bound methods: a call below may replace the cached ones. */
+    {
+        PyObject *acquire = s->acquire, *release = s->release;
+        Py_INCREF(acquire);
+        Py_INCREF(release);
+        if (call0(acquire)) {
+            ev = NULL;
+        } else {
+            ev = launch_locked(s, func, d, plan, codes, argt);
+            if (ev == NULL) {
+                PyObject *et, *evv, *tb;
+                PyErr_Fetch(&et, &evv, &tb);
+                r = PyObject_CallObject(release, NULL);
+                Py_XDECREF(r);
+                PyErr_Restore(et, evv, tb);
+            } else if (call0(release)) {
+                Py_CLEAR(ev);
+            }
+        }
+        Py_DECREF(acquire);
+        Py_DECREF(release);
+    }
+    Py_DECREF(codes);
+    if (ev == NULL || ev == Py_None)
+        return ev;
+    if (prune(s)) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    return ev;
+}
+
+/* configure(event_type, sweep_later, mark_every): the DeviceEvent class (a
+ * subclass of EventCore) that stream_launch creates, the watcher's sweep_later,
+ * and _PolledStream.MARK_EVERY. */
+static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    long long every;
+    if (n != 3) {
+        PyErr_SetString(PyExc_TypeError, "configure(event_type, sweep_later, mark_every)");
+        return NULL;
+    }
+    if (!PyType_Check(args[0]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[0], event_core_type)) {
+        PyErr_SetString(PyExc_TypeError, "configure: event_type subclasses EventCore");
+        return NULL;
+    }
+    every = PyLong_AsLongLong(args[2]);
+    if (every == -1 && PyErr_Occurred())
+        return NULL;
+    if (every < 1) {
+        PyErr_SetString(PyExc_ValueError, "configure: mark_every is at least 1");
+        return NULL;
+    }
+    Py_INCREF(args[0]);
+    replace_ref((PyObject **)&event_type, args[0]);
+    Py_INCREF(args[1]);
+    replace_ref(&sweep_later, args[1]);
+    mark_every = every;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
@@ -290,6 +1099,11 @@ static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(func, dims, stream, types, codes, args, data, pointers[, counter, value]) "
      "-> CUresult (or -1: an argument's type is not the plan's; nothing launched)."},
+    {"stream_launch", (PyCFunction)(void (*)(void))stream_launch, METH_FASTCALL,
+     "stream_launch(stream, func, dims, plan, args) -> DeviceEvent, or None when the "
+     "general path must take the launch (nothing launched)."},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
+     "configure(event_type, sweep_later, mark_every): what stream_launch creates and calls."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -299,17 +1113,47 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
+static PyObject *intern(const char *s) { return PyUnicode_InternFromString(s); }
+
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m;
-    s_ptr = PyUnicode_InternFromString("_ptr");
-    s_alloc = PyUnicode_InternFromString("_alloc");
-    s_ctx = PyUnicode_InternFromString("_ctx");
-    s_state = PyUnicode_InternFromString("_state");
-    s_closed = PyUnicode_InternFromString("closed");
-    if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed)
+    s_ptr = intern("_ptr");
+    s_alloc = intern("_alloc");
+    s_ctx = intern("_ctx");
+    s_state = intern("_state");
+    s_closed = intern("closed");
+    s_place_marker = intern("_place_marker");
+    s_retire = intern("_retire");
+    s_completed = intern("_completed");
+    s_acquire = intern("acquire");
+    s_release = intern("release");
+    s_append = intern("append");
+    s_popleft = intern("popleft");
+    s_finish_retired = intern("_finish_retired");
+    s_wake_waiters = intern("_wake_waiters");
+    s_types = intern("types");
+    s_codes = intern("codes");
+    s_addr = intern("addr");
+    s_pointers = intern("pointers");
+    if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
+        !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
+        !s_finish_retired || !s_wake_waiters || !s_types ||
+        !s_codes || !s_addr || !s_pointers)
+        return NULL;
+    event_core_type = (PyTypeObject *)PyType_FromSpec(&event_spec);
+    if (event_core_type == NULL)
+        return NULL;
+    stream_core_type = (PyTypeObject *)PyType_FromSpec(&stream_spec);
+    if (stream_core_type == NULL)
         return NULL;
     m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0) {
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(event_core_type);
+    Py_INCREF(stream_core_type);
+    if (PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0 ||
+        PyModule_AddObject(m, "EventCore", (PyObject *)event_core_type) < 0 ||
+        PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

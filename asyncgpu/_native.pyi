@@ -16,3 +16,24 @@ def launch(
     value: int = ...,
     /,
 ) -> int: ...
+def stream_launch(
+    stream: StreamCore,
+    func: int,
+    dims: tuple[int, int, int, int, int, int, int],
+    plan: object,
+    args: tuple[object, ...],
+    /,
+) -> EventCore | None: ...
+def configure(event_type: type[EventCore], sweep_later: object, mark_every: int, /) -> None: ...
+
+class EventCore:
+    """The fields of a DeviceEvent (asyncgpu._event subclasses this)."""
+
+    def __new__(cls, stream: object = ..., seq: int = ..., keep: object = ...) -> EventCore: ...
+    def _finish(self, value: object = ..., error: BaseException | None = ..., /) -> None: ...
+    def _add_waiter(self, waiter: object, /) -> bool: ...
+
+class StreamCore:
+    """The bookkeeping fields of a polled stream (asyncgpu._stream subclasses this)."""
+
+    def _retire(self) -> bool: ...

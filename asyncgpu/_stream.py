@@ -25,6 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ._accel import native
 from ._errors import DeviceError, DeviceFaultError
 from ._event import DeviceEvent, _loop_waiter
 
@@ -206,7 +207,21 @@ class _HardwareQueues:
 _OWN_QUEUES = _HardwareQueues(0)  # for streams that share no queue
 
 
-class _PolledStream(_StreamImpl):
+class _StreamFields:
+    """Where the C extension is not built, a polled stream's fields are plain
+    attributes; its ``StreamCore`` holds the ones the CUDA launch fast path reads
+    and writes (``_seq``, ``_marked``, ``_inflight``, ...), under the same names."""
+
+
+if TYPE_CHECKING:
+    _StreamBase = _StreamFields
+elif native is not None:
+    _StreamBase = native.StreamCore
+else:
+    _StreamBase = _StreamFields
+
+
+class _PolledStream(_StreamImpl, _StreamBase):
     """A stream whose completions are learned by polling markers.
 
     Every operation gets a sequence number. A *marker* placed after operation
@@ -310,7 +325,7 @@ class _PolledStream(_StreamImpl):
 
     def _retire(self) -> bool:
         """Finish, in order, every event the markers have passed. Returns True when
-        nothing is left in flight."""
+        nothing is left in flight. (In C where the extension is built: below.)"""
         with self._retire_lock:
             c = self._completed()
             inflight = self._inflight
@@ -319,12 +334,20 @@ class _PolledStream(_StreamImpl):
                 done.append(inflight.popleft())
             empty = not inflight
         for ev in done:
-            v = ev._value
-            if type(v) is _HostResult:  # host work (CUDA): its staged result
-                ev._finish(v.value, v.error)
-            else:
-                ev._finish(v, ev._error)
+            self._finish_retired(ev)
         return empty
+
+    if not TYPE_CHECKING and native is not None:
+        # The same in C: it finishes a retired kernel, copy or memset nobody waits
+        # on without calling Python, and every other event through _finish_retired.
+        _retire = native.StreamCore._retire
+
+    def _finish_retired(self, ev: DeviceEvent) -> None:
+        v = ev._value
+        if type(v) is _HostResult:  # host work (CUDA): its staged result
+            ev._finish(v.value, v.error)
+        else:
+            ev._finish(v, ev._error)
 
     def _poll(self, ev: DeviceEvent) -> bool:
         if ev._seq > self._marked:

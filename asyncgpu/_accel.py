@@ -1,0 +1,27 @@
+"""The C extension ``asyncgpu._native``, where it is built and not switched off.
+
+``native`` is the module, or None: not built (asyncgpu then runs on Python and
+cuda.bindings alone), or ``ASYNCGPU_NATIVE=0`` in the environment when asyncgpu
+was imported. Events and polled streams keep their fields in its C types
+(``EventCore``, ``StreamCore``) when it is there; the CUDA backend also binds
+its driver calls (``_cuda._bind_native``), which it does only once a driver has
+initialised.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _load() -> Any:
+    if os.environ.get("ASYNCGPU_NATIVE", "1") == "0":
+        return None
+    try:
+        from . import _native
+    except ImportError:
+        return None
+    return _native
+
+
+native: Any = _load()

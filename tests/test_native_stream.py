@@ -1,0 +1,318 @@
+"""The CUDA launch fast path in C (``_native.stream_launch``) and the C fields of
+events and polled streams (``EventCore``, ``StreamCore``), against a stand-in
+driver (ctypes functions that record what they were given) and a CudaStream
+built without a GPU.
+
+What must hold, as in the Python path it replaces (``CudaStream._launch``):
+the launch gets the next sequence number and an event that keeps its arguments
+until it is retired; a stream that is held, a plan without parameter memory on
+the stream, or an argument not of the plan's type launches nothing and hands
+the launch back (None); the marker rules of ``_PolledStream._before_submit``
+hold (a marker for a last event the user still holds, one every ``MARK_EVERY``
+operations, a marker right after each launch while the stream is eager); a
+failed launch raises and releases the submit lock; and events retire in order
+once the counter passes them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncgpu import DeviceError, DeviceEvent
+from asyncgpu import _cuda as cuda
+
+if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
+    from asyncgpu import _native
+else:
+    _native = pytest.importorskip("asyncgpu._native", reason="the C extension is not built")
+
+from _stand_in_driver import Driver, bound_stand_in
+from test_native import DIMS, Buf
+
+pytestmark = pytest.mark.skipif(
+    not issubclass(DeviceEvent, _native.EventCore), reason="asyncgpu runs without the extension"
+)
+
+
+class Stream:
+    """A CudaStream on the stand-in driver, its counter in ordinary memory."""
+
+    def __init__(self, sweeps: list[Any]) -> None:
+        s = self.s = cuda.CudaStream.__new__(cuda.CudaStream)
+        s._seq = s._marked = s._awaited = s._issued_mark = s._counter_mark = s._done_seq = 0
+        s._eager = s._after_copy = False
+        s._touched = False
+        s._inflight = deque()
+        s._pending = None
+        s._events = None
+        s._copy_marks = deque()
+        s._free_events = []
+        s._submit_lock = threading.RLock()
+        s._retire_lock = threading.Lock()
+        s._marker_lock = threading.Lock()
+        s._issue_waiters = []
+        self.counter = ctypes.c_uint64(0)
+        s._counter = self.counter
+        s.h, s.caddr = 0x5EA, ctypes.addressof(self.counter)
+        s._counter_in_c = True
+        s._completed = s._completed_counter
+        s._write_marker = lambda seq: _native.write64(s.h, s.caddr, seq)
+        s._param_mem = {}
+        s.label = "test/s0"
+        self.sweeps = sweeps
+
+    def plan(self, args: tuple[Any, ...], codes: bytes) -> cuda._ArgPlan:
+        import struct
+
+        plan = cuda._ArgPlan((), struct.Struct("<" + "Q" * len(args)), tuple(map(type, args)))
+        plan.codes = codes
+        self.s._param_mem[plan] = cuda._ParamMemory(8 * len(args))
+        return plan
+
+    def launch(self, plan: cuda._ArgPlan, args: tuple[Any, ...]) -> DeviceEvent | None:
+        return _native.stream_launch(self.s, 0xF00, DIMS, plan, args)
+
+
+@pytest.fixture
+def driver() -> Iterator[Driver]:
+    with bound_stand_in() as d:
+        yield d
+
+
+@pytest.fixture
+def stream(driver: Driver) -> Iterator[Stream]:
+    sweeps: list[Any] = []
+    _native.configure(DeviceEvent, sweeps.append, 32)
+    try:
+        yield Stream(sweeps)
+    finally:
+        from asyncgpu._engine import watcher
+
+        _native.configure(DeviceEvent, watcher.sweep_later, cuda._PolledStream.MARK_EVERY)
+
+
+ARGS = (np.float32(1.5), Buf(0x7F00_0000_1000), np.int32(7))
+CODES = b"fPi"
+
+
+def markers(driver: Driver) -> list[int]:
+    return [value for _, _, value in driver.writes]
+
+
+def test_a_launch_returns_the_event_of_the_next_operation(stream: Stream, driver: Driver) -> None:
+    driver.nargs = 3
+    plan = stream.plan(ARGS, CODES)
+    ev = stream.launch(plan, ARGS)
+    assert type(ev) is DeviceEvent
+    assert (ev._stream, ev._seq, ev._done, ev._keep) == (stream.s, 1, False, ARGS)
+    assert (ev._value, ev._error, ev._waiters, ev._lock, ev._timing) == (
+        None,
+        None,
+        None,
+        None,
+        False,
+    )
+    assert stream.s._seq == 1 and list(stream.s._inflight) == [ev]
+    ((f, dims, handle, values, _),) = driver.launches
+    assert (f, dims, handle) == (0xF00, DIMS, 0x5EA)
+    assert values[2] == np.int32(7).tobytes() + bytes(4)
+    assert markers(driver) == []  # fire and forget: no marker
+    assert stream.sweeps == [stream.s]  # the watcher sweeps a stream once it is touched
+
+
+@pytest.mark.parametrize("why", ["held", "no parameter memory", "other type", "unusable buffer"])
+def test_what_the_fast_path_cannot_take_is_handed_back(
+    stream: Stream, driver: Driver, why: str
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    args: tuple[Any, ...] = ARGS
+    if why == "held":
+        stream.s._pending = deque()
+    elif why == "no parameter memory":
+        stream.s._param_mem.clear()
+    elif why == "other type":
+        args = (np.float64(1.5), *ARGS[1:])
+    else:
+        dead = Buf(0x1000)
+        dead._alloc = None
+        args = (ARGS[0], dead, ARGS[2])
+    assert stream.launch(plan, args) is None
+    assert driver.launches == [] and stream.s._seq == 0 and not stream.s._inflight
+
+
+def test_a_plan_without_codes_is_handed_back(stream: Stream, driver: Driver) -> None:
+    plan = stream.plan(ARGS, CODES)
+    plan.codes = None
+    assert stream.launch(plan, ARGS) is None and driver.launches == []
+
+
+def test_a_held_last_event_gets_its_marker_before_the_next_launch(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    first = stream.launch(plan, ARGS)
+    stream.launch(plan, ARGS)  # the user still holds ``first``: mark it first
+    assert markers(driver) == [1]
+    assert stream.s._marked == 1 and first is not None
+    stream.launch(plan, ARGS)  # the second event was dropped: no marker for it
+    assert markers(driver) == [1]
+
+
+def test_unheld_work_is_marked_every_mark_every_operations(stream: Stream, driver: Driver) -> None:
+    plan = stream.plan(ARGS, CODES)
+    for _ in range(70):
+        stream.launch(plan, ARGS)
+    assert markers(driver) == [32, 64]
+
+
+def test_an_eager_stream_writes_the_counter_right_after_each_launch(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    stream.s._eager = True
+    held = [stream.launch(plan, ARGS) for _ in range(3)]
+    assert markers(driver) == [1, 2, 3]
+    assert (stream.s._marked, stream.s._issued_mark, stream.s._counter_mark) == (3, 3, 3)
+    assert len(held) == 3
+
+
+def test_an_eager_stream_goes_lazy_when_its_last_event_was_dropped_unawaited(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    stream.s._eager = True
+    stream.launch(plan, ARGS)  # dropped at once, never awaited
+    stream.launch(plan, ARGS)
+    assert stream.s._eager is False
+    assert markers(driver) == [1]  # only the launch made while eager
+
+
+def test_finished_events_retire_in_order_and_release_their_arguments(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    args = (np.float32(2.0), Buf(0x2000), np.int32(1))
+    base = sys.getrefcount(args)
+    evs = [stream.launch(plan, args) for _ in range(3)]
+    assert sys.getrefcount(args) == base + 3  # each event keeps them
+    stream.counter.value = 2  # the device passed the second launch
+    last = stream.launch(plan, ARGS)
+    assert [e._done for e in evs] == [True, True, False]  # type: ignore[union-attr]
+    assert [e._keep for e in evs[:2]] == [None, None]  # type: ignore[union-attr]
+    assert list(stream.s._inflight) == [evs[2], last]
+    assert sys.getrefcount(args) == base + 1
+
+
+def test_a_failed_launch_raises_and_leaves_the_stream_usable(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    driver.launch_result = 700  # CUDA_ERROR_ILLEGAL_ADDRESS
+    with pytest.raises(DeviceError, match="cuLaunchKernel"):
+        stream.launch(plan, ARGS)
+    assert stream.s._seq == 0 and not stream.s._inflight
+    assert _lock_is_free(stream.s._submit_lock)
+    driver.launch_result = 0
+    assert stream.launch(plan, ARGS)._seq == 1  # type: ignore[union-attr]
+
+
+def test_a_failed_marker_raises_after_the_launch_went_in(stream: Stream, driver: Driver) -> None:
+    plan = stream.plan(ARGS, CODES)
+    stream.s._eager = True
+    driver.write_result = 1
+    with pytest.raises(DeviceError, match="cuStreamWriteValue64"):
+        stream.launch(plan, ARGS)
+    assert stream.s._seq == 1 and len(stream.s._inflight) == 1  # the kernel is in flight
+    assert _lock_is_free(stream.s._submit_lock)
+
+
+def _lock_is_free(lock: Any) -> bool:
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(lock.acquire(timeout=1) and not lock.release()))
+    t.start()
+    t.join()
+    return got == [True]
+
+
+def test_events_from_c_are_collected_like_any_other(stream: Stream, driver: Driver) -> None:
+    plan = stream.plan(ARGS, CODES)
+    refs = []
+    for _ in range(100):
+        ev = stream.launch(plan, ARGS)
+        refs.append(weakref.ref(ev))
+    del ev
+    stream.counter.value = 100
+    stream.s._retire()
+    gc.collect()
+    assert [r() for r in refs] == [None] * 100
+
+
+def test_an_event_in_a_reference_cycle_is_collected() -> None:
+    ev = DeviceEvent(None)
+    ev._keep = [ev]  # the event keeps what keeps it
+    ref = weakref.ref(ev)
+    del ev
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_device_event_is_made_with_the_same_defaults_either_way() -> None:
+    ev = DeviceEvent(None)
+    assert (ev._stream, ev._seq, ev._done, ev._keep, ev._timing) == (None, 0, False, None, False)
+    ev = DeviceEvent(stream=None, seq=5, keep="k")
+    assert (ev._seq, ev._keep) == (5, "k")
+    with pytest.raises(TypeError):
+        DeviceEvent(None, "five")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ev._done = 1  # type: ignore[assignment]  # a flag is a bool
+
+
+def test_configure_wants_a_device_event_class() -> None:
+    with pytest.raises(TypeError, match="EventCore"):
+        _native.configure(object, print, 32)
+    with pytest.raises(ValueError, match="at least 1"):
+        _native.configure(DeviceEvent, print, 0)
+
+
+def test_stream_launch_wants_a_polled_stream(driver: Driver) -> None:
+    with pytest.raises(TypeError, match="polled stream"):
+        _native.stream_launch(object(), 0xF00, DIMS, None, ())
+
+
+def test_finish_wakes_each_waiter_once_and_keeps_the_first_outcome() -> None:
+    ev = DeviceEvent(None, 1, keep=["kept"])
+    seen: list[Any] = []
+    assert ev._add_waiter(seen.append) is True
+    ev._finish("value", None)
+    assert (ev._done, ev._value, ev._keep, seen) == (True, "value", None, [ev])
+    ev._finish(None, RuntimeError("late"))  # finished already: nothing changes
+    assert (ev._value, ev._error, seen) == ("value", None, [ev])
+    assert ev._add_waiter(seen.append) is False  # done: the caller resolves
+
+
+def test_a_raising_waiter_does_not_keep_later_events_from_retiring(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    first, second = stream.launch(plan, ARGS), stream.launch(plan, ARGS)
+    assert first is not None and second is not None
+
+    def boom(_: DeviceEvent) -> None:
+        raise RuntimeError("a waiter failed")
+
+    first._add_waiter(boom)
+    stream.counter.value = 2
+    with pytest.raises(RuntimeError, match="a waiter failed"):
+        stream.s._retire()
+    assert first._done and second._done and not stream.s._inflight
