@@ -449,10 +449,12 @@ class CudaStream(_PolledStream):
         self._counter_mark = 0  # the last sequence number a counter marker covers
         if backend.completion == "event":
             self._events: deque[tuple[int, Any]] | None = deque()
-            self._completed = self._completed_events  # type: ignore[method-assign]
+            self._completed_slow = self._completed_events
         else:
             self._events = None
-            self._completed = self._completed_counter  # type: ignore[method-assign]
+            self._completed_slow = self._completed_counter
+        # In C where the extension is built (the counter read there), else the above.
+        self._completed = getattr(self, "_completed_fast", self._completed_slow)  # type: ignore[method-assign]
         self._host_ops = 0
         self._param_mem: dict[_ArgPlan, _ParamMemory] = {}
         if _native is not None:
@@ -627,6 +629,10 @@ class CudaStream(_PolledStream):
             if ev is not None:
                 return ev  # type: ignore[no-any-return]
         return self._launch(fn, impl, args, cfg, constant_memory)
+
+    if not TYPE_CHECKING and _accel.native is not None:
+        # The same in C, without this method's Python frame (``StreamCore._launch_c``).
+        launch = _accel.native.StreamCore._launch_c
 
     def _launch_failed(self, err: int, seq: int, args: tuple[Any, ...]) -> None:
         if err < _accel.native.MARKER_FAILED:

@@ -172,25 +172,31 @@ class DeviceEvent(_EventBase):
 
     def __await__(self) -> Generator[Any, None, Any]:
         if not self._done:
-            yield from self._wait_async()
+            waiting = self._wait_on()
+            if waiting is not None:
+                yield from waiting
         return self._outcome()
 
     def _wait_async(self) -> Generator[Any, None, None]:
-        """Wait for completion without returning the outcome (the await hot path)."""
-        if self._done:
-            return
+        """Wait for completion without returning the outcome."""
+        if not self._done:
+            waiting = self._wait_on()
+            if waiting is not None:
+                yield from waiting
+
+    def _wait_on(self) -> Any:
+        """What an await of this event must wait on: None if it is done (the stream
+        is asked once, then, for a lone awaiter, briefly polled), else an asyncio
+        future of the running loop, or, outside asyncio, an awaitable's iterator."""
         stream = self._stream
         if stream is None:
             raise AsyncGPUError("this event was never recorded on a stream")
         if stream._poll(self):
-            return
+            return None
         loop = _get_running_loop()
         if loop is not None:
-            fut = stream._future(self, loop)
-            if fut is not None:
-                yield from fut
-        else:
-            yield from _await_other(self).__await__()
+            return stream._future(self, loop)
+        return _await_other(self).__await__()
 
     def _wait_blocking(self) -> None:
         if not self._done:

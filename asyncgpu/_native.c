@@ -539,7 +539,8 @@ static PyTypeObject *stream_core_type = NULL;
 static PyObject *sweep_later = NULL; /* the watcher's sweep_later, set by configure() */
 static long long mark_every = 32;
 static PyObject *s_place_marker, *s_retire, *s_completed, *s_acquire,
-    *s_release, *s_append, *s_popleft, *s_finish_retired, *s_types, *s_codes, *s_addr, *s_pointers;
+    *s_release, *s_append, *s_popleft, *s_finish_retired, *s_completed_slow, *s_need, *s_impl, *s_last,
+    *s_dims, *s_handle, *s_launch_general, *s_types, *s_codes, *s_addr, *s_pointers;
 
 static PyMemberDef stream_members[] = {
     {"_inflight", T_OBJECT, offsetof(StreamCore, inflight), 0, NULL},
@@ -619,8 +620,19 @@ static void stream_dealloc(PyObject *self) {
 }
 
 static PyObject *stream_retire(PyObject *self, PyObject *unused);
+static PyObject *stream_poll(PyObject *self, PyObject *o);
+static PyObject *stream_completed_fast(PyObject *self, PyObject *unused);
+
+static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
 
 static PyMethodDef stream_methods[] = {
+    {"_launch_c", (PyCFunction)(void (*)(void))stream_launch_method, METH_FASTCALL,
+     "launch(fn, args, cfg, constant_memory) -> DeviceEvent (CudaStream.launch, in C)."},
+    {"_poll", stream_poll, METH_O,
+     "Whether ev is done, retiring what has finished (_PolledStream._poll, in C)."},
+    {"_completed_fast", stream_completed_fast, METH_NOARGS,
+     "The highest sequence number known to have finished, read from the counter "
+     "(a CudaStream's _completed)."},
     {"_retire", stream_retire, METH_NOARGS,
      "Finish, in order, every event the markers have passed; True when nothing is "
      "left in flight (_PolledStream._retire, in C)."},
@@ -652,22 +664,30 @@ static void replace_ref(PyObject **slot, PyObject *new_ref) {
     Py_XDECREF(old);
 }
 
-/* Refresh a cached bound method (*bound, of the object *of) when the field now
- * holds another object. */
-static int cache_method(PyObject *obj, PyObject **of, PyObject **bound, PyObject *name) {
-    PyObject *m;
-    if (*of == obj && *bound != NULL)
+/* The bound methods name_a and name_b of obj, cached in *a and *b and refreshed
+ * when the field now holds another object than *of. */
+static int cache_methods(PyObject *obj, PyObject **of, PyObject **a, PyObject **b,
+                         PyObject *name_a, PyObject *name_b) {
+    PyObject *ma, *mb;
+    if (*of == obj && *a != NULL && (b == NULL || *b != NULL))
         return 0;
     if (obj == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "asyncgpu: the stream is not initialised");
         return -1;
     }
-    m = PyObject_GetAttr(obj, name);
-    if (m == NULL)
+    ma = PyObject_GetAttr(obj, name_a);
+    if (ma == NULL)
         return -1;
+    mb = b == NULL ? NULL : PyObject_GetAttr(obj, name_b);
+    if (b != NULL && mb == NULL) {
+        Py_DECREF(ma);
+        return -1;
+    }
     Py_INCREF(obj);
     replace_ref(of, obj);
-    replace_ref(bound, m);
+    replace_ref(a, ma);
+    if (b != NULL)
+        replace_ref(b, mb);
     return 0;
 }
 
@@ -729,27 +749,44 @@ static int before_submit(StreamCore *s) {
 }
 
 /* _PolledStream._completed: the highest sequence number known to have finished.
- * Read here from the counter the GPU writes when only the counter matters (no
- * copy marker events outstanding, counter completion, a counter in host-mapped
- * memory: _counter_in_c), else asked of the stream's own _completed(). */
+ * With _counter_in_c (a CudaStream, its counter in host-mapped memory at caddr):
+ * read here from the counter when only the counter matters (counter completion,
+ * no copy marker events outstanding), else from the stream's _completed_slow().
+ * Without it (streams of tests, or no counter): the stream's own _completed(). */
 static int completed(StreamCore *s, long long *out) {
     PyObject *r;
-    if (s->counter_in_c && s->caddr && is_none(s->events)) {
-        Py_ssize_t marks = s->copy_marks == NULL ? 0 : PyObject_Size(s->copy_marks);
-        if (marks < 0)
-            return -1;
-        if (marks == 0) {
-            long long c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
-            *out = s->done_seq > c ? s->done_seq : c;
-            return 0;
+    if (s->counter_in_c) {
+        if (s->caddr && is_none(s->events)) {
+            Py_ssize_t marks = s->copy_marks == NULL ? 0 : PyObject_Size(s->copy_marks);
+            if (marks < 0)
+                return -1;
+            if (marks == 0) {
+                long long c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
+                *out = s->done_seq > c ? s->done_seq : c;
+                return 0;
+            }
         }
+        r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed_slow, NULL);
+    } else {
+        r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed, NULL);
     }
-    r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed, NULL);
     if (r == NULL)
         return -1;
     *out = PyLong_AsLongLong(r);
     Py_DECREF(r);
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* _completed_fast() -> int: completed() above, for a CudaStream's _completed. */
+static PyObject *stream_completed_fast(PyObject *self, PyObject *unused) {
+    long long c;
+    if (!((StreamCore *)self)->counter_in_c) {
+        PyErr_SetString(PyExc_RuntimeError, "_completed_fast needs _counter_in_c");
+        return NULL;
+    }
+    if (completed((StreamCore *)self, &c))
+        return NULL;
+    return PyLong_FromLongLong(c);
 }
 
 /* Finish one retired event: here when nobody waits on it and it has no value
@@ -786,9 +823,9 @@ static PyObject *stream_retire(PyObject *self, PyObject *unused) {
     long long c;
     Py_ssize_t n, i;
     int empty = 0, failed = 0;
-    if (cache_method(s->retire_lock, &s->rlock_of, &s->racquire, s_acquire) ||
-        cache_method(s->retire_lock, &s->rlock_of, &s->rrelease, s_release) ||
-        cache_method(s->inflight, &s->popdeque_of, &s->popleft, s_popleft))
+    if (cache_methods(s->retire_lock, &s->rlock_of, &s->racquire, &s->rrelease, s_acquire,
+                      s_release) ||
+        cache_methods(s->inflight, &s->popdeque_of, &s->popleft, NULL, s_popleft, NULL))
         return NULL;
     racquire = s->racquire;
     rrelease = s->rrelease;
@@ -858,6 +895,39 @@ static PyObject *stream_retire(PyObject *self, PyObject *unused) {
         return NULL;
     }
     return PyBool_FromLong(empty);
+}
+
+/* _poll(ev) -> bool: _PolledStream._poll (a marker covering ev, placed by
+ * _need when none does yet; ev counted as awaited; retire if the markers have
+ * passed it); whether ev is done. */
+static PyObject *stream_poll(PyObject *self, PyObject *o) {
+    StreamCore *s = (StreamCore *)self;
+    EventCore *ev;
+    long long c;
+    if (!PyObject_TypeCheck(o, event_core_type)) {
+        PyErr_SetString(PyExc_TypeError, "_poll: not a DeviceEvent");
+        return NULL;
+    }
+    ev = (EventCore *)o;
+    if (ev->seq > s->marked) {
+        PyObject *r = PyObject_CallMethodObjArgs(self, s_need, o, NULL);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    } else if (ev->seq > s->awaited) {
+        s->awaited = ev->seq; /* marked already, and asked for: keep eager */
+    }
+    if (completed(s, &c))
+        return NULL;
+    if (c >= ev->seq) {
+        /* Another thread's retire may have taken ev and not yet finished it:
+         * only ev->done says its value is there. */
+        PyObject *r = stream_retire(self, NULL);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+    }
+    return PyBool_FromLong(ev->done);
 }
 
 /* CudaStream._prune: retire what the counter says has finished, and have the
@@ -983,32 +1053,19 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
  * parameter memory on this stream yet, or an argument is not the plan's type
  * or cannot be used (the general path raises the precise error).
  */
-static PyObject *stream_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    StreamCore *s;
-    PyObject *plan, *types, *codes, *argt, *ev, *r;
+static PyObject *launch_fast(StreamCore *s, PyObject *funcobj, PyObject *dims, PyObject *plan,
+                             PyObject *argt) {
+    PyObject *types, *codes, *ev, *r;
     unsigned long long func, d[7];
     int rc;
-    if (n != 5) {
-        PyErr_SetString(PyExc_TypeError, "stream_launch(stream, func, dims, plan, args)");
-        return NULL;
-    }
-    if (!ready())
-        return NULL;
-    if (event_type == NULL || stream_core_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "asyncgpu._native is not configured");
-        return NULL;
-    }
-    if (!PyObject_TypeCheck(args[0], stream_core_type)) {
-        PyErr_SetString(PyExc_TypeError, "stream_launch: not a polled stream");
-        return NULL;
-    }
-    s = (StreamCore *)args[0];
     if (!is_none(s->pending))
         Py_RETURN_NONE;
-    if (as_u64(args[1], &func) || parse_dims(args[2], d))
+    if (!PyTuple_Check(argt)) {
+        PyErr_SetString(PyExc_TypeError, "stream_launch: args is a tuple");
         return NULL;
-    plan = args[3];
-    argt = args[4];
+    }
+    if (as_u64(funcobj, &func) || parse_dims(dims, d))
+        return NULL;
     types = PyObject_GetAttr(plan, s_types);
     if (types == NULL)
         return NULL;
@@ -1023,9 +1080,9 @@ static PyObject *stream_launch(PyObject *self, PyObject *const *args, Py_ssize_t
         Py_DECREF(codes);
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     }
-    if (cache_method(s->submit_lock, &s->lock_of, &s->acquire, s_acquire) ||
-        cache_method(s->submit_lock, &s->lock_of, &s->release, s_release) ||
-        cache_method(s->inflight, &s->deque_of, &s->append, s_append)) {
+    if (cache_methods(s->submit_lock, &s->lock_of, &s->acquire, &s->release, s_acquire,
+                      s_release) ||
+        cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL)) {
         Py_DECREF(codes);
         return NULL;
     }
@@ -1058,6 +1115,74 @@ static PyObject *stream_launch(PyObject *self, PyObject *const *args, Py_ssize_t
         Py_DECREF(ev);
         return NULL;
     }
+    return ev;
+}
+
+static int configured(void) {
+    if (!ready())
+        return 0;
+    if (event_type == NULL || stream_core_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncgpu._native is not configured");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *stream_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "stream_launch(stream, func, dims, plan, args)");
+        return NULL;
+    }
+    if (!configured())
+        return NULL;
+    if (!PyObject_TypeCheck(args[0], stream_core_type)) {
+        PyErr_SetString(PyExc_TypeError, "stream_launch: not a polled stream");
+        return NULL;
+    }
+    return launch_fast((StreamCore *)args[0], args[1], args[2], args[3], args[4]);
+}
+
+/* StreamCore.launch(fn, args, cfg, constant_memory) -> DeviceEvent: CudaStream.launch
+ * in C. The fast path (launch_fast) when the function has a plan, nothing goes to
+ * constant memory and the configuration has plain dimensions; every other launch,
+ * and one the fast path hands back, through the stream's _launch. */
+static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    PyObject *impl, *plan = NULL, *dims = NULL, *handle = NULL, *ev = NULL;
+    int rc;
+    if (n != 4) {
+        PyErr_SetString(PyExc_TypeError, "launch(fn, args, cfg, constant_memory)");
+        return NULL;
+    }
+    impl = PyObject_GetAttr(args[0], s_impl);
+    if (impl == NULL)
+        return NULL;
+    rc = p_launch != NULL && event_type != NULL && impl != Py_None ? PyObject_Not(args[3]) : 0;
+    if (rc == 1) {
+        plan = PyObject_GetAttr(impl, s_last);
+        dims = PyObject_GetAttr(args[2], s_dims);
+        handle = PyObject_GetAttr(impl, s_handle);
+        if (plan == NULL || dims == NULL || handle == NULL)
+            rc = -1;
+        else if (plan != Py_None && PyTuple_Check(dims) && PyTuple_Size(dims) == 7)
+            ev = launch_fast((StreamCore *)self, handle, dims, plan, args[1]);
+        if (rc == 1 && ev == NULL && PyErr_Occurred())
+            rc = -1;
+    }
+    Py_XDECREF(plan);
+    Py_XDECREF(dims);
+    Py_XDECREF(handle);
+    if (rc < 0) {
+        Py_DECREF(impl);
+        return NULL;
+    }
+    if (ev != NULL && ev != Py_None) {
+        Py_DECREF(impl);
+        return ev;
+    }
+    Py_XDECREF(ev);
+    ev = PyObject_CallMethodObjArgs(self, s_launch_general, args[0], impl, args[1], args[2],
+                                    args[3], NULL);
+    Py_DECREF(impl);
     return ev;
 }
 
@@ -1130,6 +1255,13 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_append = intern("append");
     s_popleft = intern("popleft");
     s_finish_retired = intern("_finish_retired");
+    s_completed_slow = intern("_completed_slow");
+    s_need = intern("_need");
+    s_impl = intern("_impl");
+    s_last = intern("last");
+    s_dims = intern("dims");
+    s_handle = intern("handle");
+    s_launch_general = intern("_launch");
     s_wake_waiters = intern("_wake_waiters");
     s_types = intern("types");
     s_codes = intern("codes");
@@ -1137,7 +1269,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_pointers = intern("pointers");
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
         !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
-        !s_finish_retired || !s_wake_waiters || !s_types ||
+        !s_finish_retired || !s_completed_slow || !s_need || !s_impl || !s_last ||
+        !s_dims || !s_handle || !s_launch_general || !s_wake_waiters || !s_types ||
         !s_codes || !s_addr || !s_pointers)
         return NULL;
     event_core_type = (PyTypeObject *)PyType_FromSpec(&event_spec);

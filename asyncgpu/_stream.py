@@ -25,6 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from . import _engine
 from ._accel import native
 from ._errors import DeviceError, DeviceFaultError
 from ._event import DeviceEvent, _loop_waiter
@@ -360,19 +361,19 @@ class _PolledStream(_StreamImpl, _StreamBase):
             self._retire()
         return ev._done
 
-    def _watch(self, ev: DeviceEvent) -> None:
-        from ._engine import watcher
+    if not TYPE_CHECKING and native is not None:
+        _poll = native.StreamCore._poll  # the same, in C
 
+    def _watch(self, ev: DeviceEvent) -> None:
         self._need(ev)
-        watcher.watch(self, ev._seq)
+        _engine.watcher.watch(self, ev._seq)
 
     def _future(
         self, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
     ) -> asyncio.Future[Any] | None:
-        from ._engine import polled_future
-
-        self._need(ev)
-        return polled_future(self, ev, loop)
+        if not self._eager or ev._seq > self._marked:
+            self._need(ev)  # (after _poll, an eager stream has marked and counted ev)
+        return _engine.polled_future(self, ev, loop)
 
     def _block(self, ev: DeviceEvent) -> None:
         self._need(ev, eager=False)

@@ -47,6 +47,26 @@ def _summ(ns: list[int]) -> dict[str, float]:
     }
 
 
+WARM_S = 0.3
+
+
+def warm_gpu(ctx: ag.DeviceContext, empty: ag.DeviceFunction, seconds: float = WARM_S) -> int:
+    """Launch and synchronize empty kernels for ``seconds`` before timing. An idle
+    H200 reads 345 MHz SM clocks (nvidia-smi, 2026-12-04), and the clocks take time
+    to rise: in the suite, where this section followed seconds of CPU-only work,
+    the await round trip timed 1.51x the blocking one; the same code in a process
+    started right after other GPU work timed 1.15x (9964773, 2026-12-04).
+    Returns the number of launches."""
+    n = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(100):
+            ctx.enqueue_function(empty, grid_dim=1, block_dim=1)
+        ctx.synchronize()
+        n += 100
+    return n
+
+
 def latency(ctx: ag.DeviceContext, empty: ag.DeviceFunction, n: int) -> dict[str, Any]:
     """Enqueue an empty kernel and learn it finished: asyncgpu await vs the same
     launch through cuda.core followed by a blocking cuStreamSynchronize."""
@@ -76,6 +96,7 @@ def latency(ctx: ag.DeviceContext, empty: ag.DeviceFunction, n: int) -> dict[str
         return time.perf_counter_ns() - t0
 
     async def run() -> dict[str, Any]:
+        warm_gpu(ctx, empty)
         for _ in range(200):
             blocking_once()
             await await_once()
@@ -145,6 +166,7 @@ def throughput(
             if not stop:
                 loop.call_soon(lap, now)
 
+        warm_gpu(ctx, empty)
         await asyncio.gather(*(worker(k) for k in range(64)))  # warm up
         started[0] = 0
         tick = asyncio.create_task(ticker())

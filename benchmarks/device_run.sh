@@ -5,7 +5,8 @@
 #                [--exit-check] (also: each test file in its own process, with its exit status)
 #                [--gdb=tests/test_x.py] (also: that file under cuda-gdb, for a native backtrace)
 #                [--probe] (also: benchmarks/probe_driver.py: the driver calls' host cost, the
-#                layers of a launch, the copy/kernel pipeline by kind of marker)
+#                layers of a launch, the copy/kernel pipeline by kind of marker; and
+#                benchmarks/probe_await.py: where the time of an awaited launch goes)
 # Writes under $OUT (at most 8 files): env.txt, tests.log (with memcheck's log), tests.json,
 # bench.json, bench.log, probe.json, soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 # The H200 image lacks some test dependencies; carry them as wheels (device tool: carry .whl,
@@ -129,6 +130,8 @@ if [ "$MODE" != tests ]; then
     fi
     if [ -n "$PROBE" ]; then
       timeout 120 python3 benchmarks/probe_driver.py --json "$OUT/probe.json" 2>&1 | tail -20
+      # (with --probe, a bench-only call writes one file more: probe-await.json)
+      timeout 60 python3 benchmarks/probe_await.py --json "$OUT/probe-await.json" 2>&1 | tail -14
     fi
     if [ -z "$SKIP_SOAK" ]; then
       ops=${SOAK_OPS:-1000000}; [ -n "$QUICK" ] && ops=100000

@@ -66,7 +66,8 @@ class Stream:
         s._counter = self.counter
         s.h, s.caddr = 0x5EA, ctypes.addressof(self.counter)
         s._counter_in_c = True
-        s._completed = s._completed_counter
+        s._completed_slow = s._completed_counter
+        s._completed = s._completed_fast
         s._write_marker = lambda seq: _native.write64(s.h, s.caddr, seq)
         s._param_mem = {}
         s.label = "test/s0"
@@ -316,3 +317,53 @@ def test_a_raising_waiter_does_not_keep_later_events_from_retiring(
     with pytest.raises(RuntimeError, match="a waiter failed"):
         stream.s._retire()
     assert first._done and second._done and not stream.s._inflight
+
+
+def test_polling_an_unmarked_event_marks_it_and_retires_it_once_passed(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    ev = stream.launch(plan, ARGS)
+    assert ev is not None and markers(driver) == []
+    assert stream.s._poll(ev) is False  # asked for: a marker now, and eager from now on
+    assert markers(driver) == [1] and stream.s._eager is True and stream.s._awaited == 1
+    stream.counter.value = 1
+    assert stream.s._poll(ev) is True and ev._done and not stream.s._inflight
+
+
+def test_the_counter_is_read_in_c_unless_copy_markers_are_outstanding(stream: Stream) -> None:
+    stream.counter.value = 7
+    assert stream.s._completed_fast() == 7
+    asked: list[int] = []
+    stream.s._completed_slow = lambda: asked.append(1) or 9
+    stream.s._copy_marks.append((8, "event"))  # a copy's marker event: the slow path
+    assert stream.s._completed_fast() == 9 and asked == [1]
+
+
+class _Function:
+    """What CudaStream.launch reads of a DeviceFunction, its compiled code, its
+    launch configuration."""
+
+    def __init__(self, plan: cuda._ArgPlan | None) -> None:
+        self._impl = self
+        self.last, self.handle, self.dims = plan, 0xF00, DIMS
+
+
+@pytest.mark.parametrize("why", ["fast", "constant memory", "no plan", "no dimensions"])
+def test_cuda_stream_launch_takes_the_fast_path_or_hands_the_launch_to_launch(
+    stream: Stream, driver: Driver, why: str
+) -> None:
+    f = _Function(stream.plan(ARGS, CODES))
+    general: list[tuple[Any, ...]] = []
+    stream.s._launch = lambda *a: general.append(a) or "general"
+    constant = ["a mapping"] if why == "constant memory" else []
+    if why == "no plan":
+        f.last = None
+    elif why == "no dimensions":
+        f.dims = None  # type: ignore[assignment]
+    ev = stream.s.launch(f, ARGS, f, constant)
+    if why == "fast":
+        assert type(ev) is DeviceEvent and general == [] and len(driver.launches) == 1
+    else:
+        assert ev == "general" and general == [(f, f, ARGS, f, constant)]
+        assert driver.launches == []
