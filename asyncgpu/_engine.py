@@ -153,11 +153,15 @@ class _Reactor:
         return moved
 
     def _check_faults(self) -> None:
+        """Ask the driver whether a stream with pending awaits has faulted; a faulted
+        stream's events have been failed (and their waiters woken), so its entry
+        goes. Work that finished meanwhile is left to ``_poll_once``, which retires
+        it: dropping the entry here would leave its awaiters asleep (the H200 hung
+        ``test_every_enqueue_returns_an_awaitable_event[cuda]`` so, 2026-12-04)."""
         for stream in list(self.pending):
             stream._check_fault()
-            heap = self.pending.get(stream)
-            if heap is not None and (heap[0] <= stream._completed() or stream._fault):
-                del self.pending[stream]  # finished, or failed by the fault
+            if stream._fault is not None and stream in self.pending:
+                del self.pending[stream]
 
     def wake_deferred(self) -> None:
         """On the loop (scheduled once by another thread's wake-ups, see
@@ -225,6 +229,10 @@ class _Reactor:
                 if now - checked >= FAULT_CHECK_S:
                     checked = now
                     self._check_faults()
+                    if self._poll_once():  # finished while the driver was asked
+                        last = _monotonic()
+                        await sleep(0)
+                        continue
                 # Park on a timer, longer the longer nothing has moved (a 200 ms
                 # kernel is noticed within ~4 ms, at ~0.5% of a core); a new await
                 # (``add``) ends the park at once.

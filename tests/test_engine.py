@@ -124,3 +124,27 @@ async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
     clock.now += _engine.WAKE_MAX * 10e-6  # 10 us each: 0.3 ms fits 30
     reactor._wake_some()
     assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX + 30
+
+
+@pytest.mark.asyncio
+async def test_work_that_finishes_while_the_reactor_checks_for_faults_still_wakes_its_awaiter() -> (
+    None
+):
+    """The reactor asks the driver for sticky faults when nothing has moved for a
+    while. Work that finishes during that question must still be retired and its
+    awaiter woken (the H200 run of 2026-12-04 hung an await this way: the reactor
+    dropped the stream from its pending set without retiring it)."""
+    from test_markers import RecordingStream
+
+    class FinishesDuringFaultCheck(RecordingStream):
+        asked = 0
+
+        def _query_fault(self) -> BaseException | None:
+            self.asked += 1
+            self.done = self._seq  # the device finishes while the driver is asked
+            return None
+
+    s = FinishesDuringFaultCheck()
+    ev = s.submit()
+    await asyncio.wait_for(ev, 10)  # the device finishes it only in the fault check
+    assert ev._done and s.asked >= 1 and not s._inflight
