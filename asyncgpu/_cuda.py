@@ -129,6 +129,16 @@ def _init_driver() -> int:
     return int(_check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
+def _kernel_markers() -> str:
+    """What follows an eager launch on the C fast path (docs/completion.md): a
+    driver event ("event", the default) or a write of the completion counter
+    ("counter"), from ASYNCGPU_KERNEL_MARKERS when a stream is created."""
+    kind = os.environ.get("ASYNCGPU_KERNEL_MARKERS", "event")
+    if kind not in ("event", "counter"):
+        raise ValueError(f"ASYNCGPU_KERNEL_MARKERS must be event or counter, not {kind!r}")
+    return kind
+
+
 # The hot path's direct driver calls (``asyncgpu._native``, a C extension): None
 # where it is not built, or with ASYNCGPU_NATIVE=0; the cuda.bindings calls then.
 _native: Any = None
@@ -149,7 +159,12 @@ def _bind_native() -> None:
     if _native is not None or native is None or os.environ.get("ASYNCGPU_NATIVE", "1") == "0":
         return
     try:
-        native.bind(_entry_point("cuLaunchKernel"), _entry_point("cuStreamWriteValue64"))
+        native.bind(
+            _entry_point("cuLaunchKernel"),
+            _entry_point("cuStreamWriteValue64"),
+            _entry_point("cuEventRecord"),
+            _entry_point("cuEventQuery"),
+        )
     except (DeviceError, ValueError):
         return  # a driver without these entry points: cuda.bindings
     native.configure(DeviceEvent, watcher.sweep_later, _PolledStream.MARK_EVERY)
@@ -438,6 +453,9 @@ class CudaStream(_PolledStream):
         self.saddr = _slab.take()
         self._counter = ctypes.c_uint64.from_address(self.caddr)
         self._counter_in_c = True  # the C fast path may read the counter at caddr
+        # The marker right after an eager launch: a driver event, recorded in C
+        # (ASYNCGPU_KERNEL_MARKERS=counter: the counter write instead).
+        self._kernel_event_markers = _kernel_markers() == "event"
         self._hostsig = ctypes.c_uint64.from_address(self.saddr)
         self._marker_lock = threading.Lock()
         self._free_events: list[Any] = []
@@ -521,20 +539,25 @@ class CudaStream(_PolledStream):
             marks = self._events if self._events is not None else self._copy_marks
             with self._marker_lock:
                 free = self._free_events
-                if free:
-                    e = free.pop()
-                else:
-                    # Any thread may place a marker (the watcher does for idle
-                    # streams), and creating an event needs the context current.
-                    self.backend.make_current()
-                    flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-                    e = _check(cu.cuEventCreate(flags), "cuEventCreate")
+                e = free.pop() if free else self._new_marker_event()
                 err = cu.cuEventRecord(e, self.raw)[0]
                 if err != _SUCCESS:
                     free.append(e)
                     raise _error(err, "cuEventRecord")
                 marks.append((seq, e))
         self._issued_mark = seq
+
+    def _new_marker_event(self) -> Any:
+        """A new driver event for a marker. Any thread may place a marker (the
+        watcher does for idle streams), and creating an event needs the context
+        current."""
+        self.backend.make_current()
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return _check(cu.cuEventCreate(flags), "cuEventCreate")
+
+    def _driver_error(self, err: int, what: str) -> None:
+        """Raise the error of a driver call the C fast path made."""
+        raise _error(err, what)
 
     def _drain_prepare(self) -> None:
         self.backend.make_current()

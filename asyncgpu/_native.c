@@ -30,9 +30,13 @@
 typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                          unsigned, void *, void **, void **);
 typedef int (*write64_fn)(void *, unsigned long long, unsigned long long, unsigned);
+typedef int (*record_fn)(void *, void *);
+typedef int (*query_fn)(void *);
 
 static launch_fn p_launch = NULL;
 static write64_fn p_write64 = NULL;
+static record_fn p_record = NULL; /* cuEventRecord, or NULL: counter markers only */
+static query_fn p_query = NULL;   /* cuEventQuery */
 static PyObject *s_ptr, *s_alloc, *s_ctx, *s_state, *s_closed; /* attribute names */
 
 /* Argument codes of a plan (one byte per argument). */
@@ -62,24 +66,31 @@ static int as_u64(PyObject *o, unsigned long long *out) {
 }
 
 static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    unsigned long long a, b;
+    unsigned long long a, b, r = 0, q = 0;
     PyObject *prev;
-    if (n != 2) {
-        PyErr_SetString(PyExc_TypeError, "bind(launch_entry, write64_entry)");
+    if (n != 2 && n != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "bind(launch_entry, write64_entry[, record_entry, query_entry])");
         return NULL;
     }
     if (as_u64(args[0], &a) || as_u64(args[1], &b))
         return NULL;
-    if (!a || !b) {
+    if (n == 4 && (as_u64(args[2], &r) || as_u64(args[3], &q)))
+        return NULL;
+    if (!a || !b || (r == 0) != (q == 0)) {
         PyErr_SetString(PyExc_ValueError, "a driver entry point is NULL");
         return NULL;
     }
-    prev = Py_BuildValue("(KK)", (unsigned long long)(uintptr_t)p_launch,
-                         (unsigned long long)(uintptr_t)p_write64);
+    prev = Py_BuildValue("(KKKK)", (unsigned long long)(uintptr_t)p_launch,
+                         (unsigned long long)(uintptr_t)p_write64,
+                         (unsigned long long)(uintptr_t)p_record,
+                         (unsigned long long)(uintptr_t)p_query);
     if (prev == NULL)
         return NULL;
     p_launch = (launch_fn)(uintptr_t)a;
     p_write64 = (write64_fn)(uintptr_t)b;
+    p_record = (record_fn)(uintptr_t)r; /* two entry points: no event markers */
+    p_query = (query_fn)(uintptr_t)q;
     return prev;
 }
 
@@ -530,9 +541,13 @@ typedef struct {
      * append and popleft of inflight */
     PyObject *lock_of, *acquire, *release, *deque_of, *append;
     PyObject *rlock_of, *racquire, *rrelease, *popdeque_of, *popleft;
+    /* event markers: _marker_lock (cached acquire/release), _free_events, and
+     * the popleft of _copy_marks */
+    PyObject *marker_lock, *free_events, *mlock_of, *macquire, *mrelease, *marks_of,
+        *marks_popleft;
     long long seq, marked, awaited, issued_mark, counter_mark, done_seq;
     unsigned long long h, caddr;
-    char eager, touched, after_copy, counter_in_c;
+    char eager, touched, after_copy, counter_in_c, kernel_event_markers;
 } StreamCore;
 
 static PyTypeObject *stream_core_type = NULL;
@@ -540,7 +555,7 @@ static PyObject *sweep_later = NULL; /* the watcher's sweep_later, set by config
 static long long mark_every = 32;
 static PyObject *s_place_marker, *s_retire, *s_completed, *s_acquire,
     *s_release, *s_append, *s_popleft, *s_finish_retired, *s_completed_slow, *s_need, *s_impl, *s_last,
-    *s_dims, *s_handle, *s_launch_general, *s_types, *s_codes, *s_addr, *s_pointers;
+    *s_dims, *s_handle, *s_launch_general, *s_new_marker_event, *s_types, *s_codes, *s_addr, *s_pointers;
 
 static PyMemberDef stream_members[] = {
     {"_inflight", T_OBJECT, offsetof(StreamCore, inflight), 0, NULL},
@@ -562,6 +577,9 @@ static PyMemberDef stream_members[] = {
     {"_after_copy", T_BOOL, offsetof(StreamCore, after_copy), 0, NULL},
     {"_retire_lock", T_OBJECT, offsetof(StreamCore, retire_lock), 0, NULL},
     {"_counter_in_c", T_BOOL, offsetof(StreamCore, counter_in_c), 0, NULL},
+    {"_marker_lock", T_OBJECT, offsetof(StreamCore, marker_lock), 0, NULL},
+    {"_free_events", T_OBJECT, offsetof(StreamCore, free_events), 0, NULL},
+    {"_kernel_event_markers", T_BOOL, offsetof(StreamCore, kernel_event_markers), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -585,6 +603,13 @@ static int stream_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(s->rrelease);
     Py_VISIT(s->popdeque_of);
     Py_VISIT(s->popleft);
+    Py_VISIT(s->marker_lock);
+    Py_VISIT(s->free_events);
+    Py_VISIT(s->mlock_of);
+    Py_VISIT(s->macquire);
+    Py_VISIT(s->mrelease);
+    Py_VISIT(s->marks_of);
+    Py_VISIT(s->marks_popleft);
     return 0;
 }
 
@@ -607,6 +632,13 @@ static int stream_clear(PyObject *self) {
     Py_CLEAR(s->rrelease);
     Py_CLEAR(s->popdeque_of);
     Py_CLEAR(s->popleft);
+    Py_CLEAR(s->marker_lock);
+    Py_CLEAR(s->free_events);
+    Py_CLEAR(s->mlock_of);
+    Py_CLEAR(s->macquire);
+    Py_CLEAR(s->mrelease);
+    Py_CLEAR(s->marks_of);
+    Py_CLEAR(s->marks_popleft);
     return 0;
 }
 
@@ -748,6 +780,167 @@ static int before_submit(StreamCore *s) {
     return 0;
 }
 
+/* The driver handle of a CUevent (cuda.bindings' object, or an int). */
+static int event_handle(PyObject *e, unsigned long long *h) {
+    PyObject *i = PyNumber_Long(e);
+    int rc;
+    if (i == NULL)
+        return -1;
+    rc = as_u64(i, h);
+    Py_DECREF(i);
+    return rc;
+}
+
+static int lock_markers(StreamCore *s) {
+    if (cache_methods(s->marker_lock, &s->mlock_of, &s->macquire, &s->mrelease, s_acquire,
+                      s_release))
+        return -1;
+    return call0(s->macquire);
+}
+
+/* Release _marker_lock, keeping an exception already set. */
+static int unlock_markers(StreamCore *s) {
+    PyObject *et, *ev, *tb, *r;
+    int failed = PyErr_Occurred() != NULL;
+    if (failed)
+        PyErr_Fetch(&et, &ev, &tb);
+    r = PyObject_CallObject(s->mrelease, NULL);
+    if (failed) {
+        Py_XDECREF(r);
+        PyErr_Restore(et, ev, tb);
+        return -1;
+    }
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* CudaStream._query_copy_marks in C: under _marker_lock, retire the marker events
+ * (_copy_marks, in order) that the counter has passed or that cuEventQuery says
+ * finished into done_seq; their events go back to _free_events. */
+static int query_marks(StreamCore *s, long long counter) {
+    int rc = 0;
+    if (lock_markers(s))
+        return -1;
+    if (cache_methods(s->copy_marks, &s->marks_of, &s->marks_popleft, NULL, s_popleft, NULL)) {
+        unlock_markers(s);
+        return -1;
+    }
+    for (;;) {
+        PyObject *head, *e, *r;
+        long long seq;
+        unsigned long long h;
+        int finished;
+        Py_ssize_t n = PyObject_Size(s->copy_marks);
+        if (n <= 0) {
+            rc = n < 0 ? -1 : 0;
+            break;
+        }
+        head = PySequence_GetItem(s->copy_marks, 0);
+        if (head == NULL || !PyTuple_Check(head) || PyTuple_Size(head) != 2) {
+            if (head != NULL)
+                PyErr_SetString(PyExc_TypeError, "asyncgpu: a marker is (seq, event)");
+            Py_XDECREF(head);
+            rc = -1;
+            break;
+        }
+        seq = PyLong_AsLongLong(PyTuple_GetItem(head, 0));
+        e = PyTuple_GetItem(head, 1);
+        if (seq == -1 && PyErr_Occurred()) {
+            Py_DECREF(head);
+            rc = -1;
+            break;
+        }
+        finished = seq <= counter;
+        if (!finished) {
+            if (event_handle(e, &h)) {
+                Py_DECREF(head);
+                rc = -1;
+                break;
+            }
+            finished = p_query((void *)(uintptr_t)h) == 0;
+        }
+        if (!finished) {
+            Py_DECREF(head);
+            break;
+        }
+        r = PyObject_CallObject(s->marks_popleft, NULL);
+        Py_XDECREF(r);
+        if (r == NULL || PyList_Append(s->free_events, e)) {
+            Py_DECREF(head);
+            rc = -1;
+            break;
+        }
+        if (seq > s->done_seq)
+            s->done_seq = seq;
+        Py_DECREF(head);
+    }
+    if (unlock_markers(s))
+        rc = -1;
+    return rc;
+}
+
+/* The marker right after an eager launch, as a driver event (cuEventRecord costs
+ * the host a third of cuStreamWriteValue64): under _marker_lock, a free event
+ * (or a new one, _new_marker_event) recorded on the stream, appended to
+ * _copy_marks as (seq, event). */
+static int record_marker(StreamCore *s, long long seq) {
+    PyObject *e = NULL, *mark;
+    Py_ssize_t n;
+    unsigned long long h;
+    int err;
+    if (lock_markers(s))
+        return -1;
+    n = PyList_Check(s->free_events) ? PyList_Size(s->free_events) : -1;
+    if (n < 0) {
+        PyErr_SetString(PyExc_TypeError, "asyncgpu: _free_events is a list");
+        return unlock_markers(s), -1;
+    }
+    if (n > 0) {
+        e = PyList_GetItem(s->free_events, n - 1);
+        Py_INCREF(e);
+        if (PyList_SetSlice(s->free_events, n - 1, n, NULL)) {
+            Py_DECREF(e);
+            return unlock_markers(s), -1;
+        }
+    } else {
+        e = PyObject_CallMethodObjArgs((PyObject *)s, s_new_marker_event, NULL);
+        if (e == NULL)
+            return unlock_markers(s), -1;
+    }
+    if (event_handle(e, &h)) {
+        Py_DECREF(e);
+        return unlock_markers(s), -1;
+    }
+    err = p_record((void *)(uintptr_t)h, (void *)(uintptr_t)s->h);
+    if (err) {
+        PyObject *r;
+        PyList_Append(s->free_events, e);
+        Py_DECREF(e);
+        r = PyObject_CallMethod((PyObject *)s, "_driver_error", "is", err, "cuEventRecord");
+        Py_XDECREF(r);
+        if (r != NULL)
+            PyErr_SetString(PyExc_RuntimeError, "asyncgpu: _driver_error returned");
+        return unlock_markers(s), -1;
+    }
+    mark = Py_BuildValue("(LN)", seq, e); /* takes the reference to e */
+    if (mark == NULL)
+        return unlock_markers(s), -1;
+    if (cache_methods(s->copy_marks, &s->marks_of, &s->marks_popleft, NULL, s_popleft, NULL)) {
+        Py_DECREF(mark);
+        return unlock_markers(s), -1;
+    }
+    {
+        PyObject *r = PyObject_CallMethodObjArgs(s->copy_marks, s_append, mark, NULL);
+        Py_DECREF(mark);
+        if (r == NULL)
+            return unlock_markers(s), -1;
+        Py_DECREF(r);
+    }
+    return unlock_markers(s);
+}
+
 /* _PolledStream._completed: the highest sequence number known to have finished.
  * With _counter_in_c (a CudaStream, its counter in host-mapped memory at caddr):
  * read here from the counter when only the counter matters (counter completion,
@@ -758,10 +951,13 @@ static int completed(StreamCore *s, long long *out) {
     if (s->counter_in_c) {
         if (s->caddr && is_none(s->events)) {
             Py_ssize_t marks = s->copy_marks == NULL ? 0 : PyObject_Size(s->copy_marks);
+            long long c;
             if (marks < 0)
                 return -1;
-            if (marks == 0) {
-                long long c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
+            c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
+            if (marks > 0 && p_query != NULL && query_marks(s, c))
+                return -1;
+            if (marks == 0 || p_query != NULL) {
                 *out = s->done_seq > c ? s->done_seq : c;
                 return 0;
             }
@@ -991,7 +1187,7 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
     unsigned long long addr = 0, ptrs = 0;
     long long seq;
     Py_ssize_t nargs = PyTuple_Size(argt);
-    int marker, err, rc;
+    int marker, event_marker, err, rc;
     if (!is_none(s->pending))
         Py_RETURN_NONE; /* held behind host work */
     if (before_submit(s))
@@ -1012,8 +1208,12 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
     if (rc)
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     seq = s->seq + 1;
-    marker = s->eager && is_none(s->events); /* counter markers only */
-    err = launch_and_mark(func, d, s->h, nargs, ptrs, marker ? s->caddr : 0,
+    /* The eager marker: a driver event where the stream takes them
+     * (_kernel_event_markers, with cuEventRecord bound), else the counter, written
+     * in the same release of the GIL as the launch. */
+    marker = s->eager && is_none(s->events) && s->caddr;
+    event_marker = marker && s->kernel_event_markers && p_record != NULL;
+    err = launch_and_mark(func, d, s->h, nargs, ptrs, marker && !event_marker ? s->caddr : 0,
                           (unsigned long long)seq);
     if (err != 0) {
         PyObject *r = PyObject_CallMethod((PyObject *)s, "_launch_failed", "iLO", err, seq, argt);
@@ -1033,7 +1233,13 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
         return NULL;
     }
     Py_DECREF(o);
-    if (marker) {
+    if (event_marker) {
+        if (record_marker(s, seq)) {
+            Py_DECREF(ev);
+            return NULL; /* the kernel went in (its event is in flight); its marker did not */
+        }
+        s->marked = s->issued_mark = seq;
+    } else if (marker) {
         s->marked = s->issued_mark = s->counter_mark = seq;
     } else if (s->eager && call_method0((PyObject *)s, s_place_marker)) {
         Py_DECREF(ev);
@@ -1217,8 +1423,10 @@ static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t n) 
 
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
-     "bind(launch_entry, write64_entry) -> the previous pair: the driver's "
-     "cuLaunchKernel and cuStreamWriteValue64 entry points (from cuGetProcAddress)."},
+     "bind(launch_entry, write64_entry[, record_entry, query_entry]) -> the previous "
+     "four: the driver's cuLaunchKernel, cuStreamWriteValue64, cuEventRecord and "
+     "cuEventQuery entry points (from cuGetProcAddress; without the last two, the "
+     "markers after eager launches are counter writes)."},
     {"write64", (PyCFunction)(void (*)(void))write64, METH_FASTCALL,
      "write64(stream, addr, value) -> CUresult: cuStreamWriteValue64."},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
@@ -1262,6 +1470,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_dims = intern("dims");
     s_handle = intern("handle");
     s_launch_general = intern("_launch");
+    s_new_marker_event = intern("_new_marker_event");
     s_wake_waiters = intern("_wake_waiters");
     s_types = intern("types");
     s_codes = intern("codes");
@@ -1270,7 +1479,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
         !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
         !s_finish_retired || !s_completed_slow || !s_need || !s_impl || !s_last ||
-        !s_dims || !s_handle || !s_launch_general || !s_wake_waiters || !s_types ||
+        !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
         !s_codes || !s_addr || !s_pointers)
         return NULL;
     event_core_type = (PyTypeObject *)PyType_FromSpec(&event_spec);

@@ -1,7 +1,9 @@
 # The C extension asyncgpu._native (see _native.c); optional: asyncgpu runs without it.
 MARKER_FAILED: int
 
-def bind(launch_entry: int, write64_entry: int, /) -> tuple[int, int]: ...
+def bind(
+    launch_entry: int, write64_entry: int, record_entry: int = ..., query_entry: int = ..., /
+) -> tuple[int, int, int, int]: ...
 def write64(stream: int, addr: int, value: int, /) -> int: ...
 def launch(
     func: int,

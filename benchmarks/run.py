@@ -333,8 +333,48 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_await_over_blocking": r["ratio_await_over_blocking"],
             }
 
+        def with_counter_markers(fn: Callable[[Any, Any], dict[str, Any]]) -> dict[str, Any]:
+            """The losing strategy kept visible: the marker after an eager launch
+            a counter write (cuStreamWriteValue64), not a driver event; on the same
+            context's streams (a second context's streams would outnumber the
+            hardware queues, and no stream would place eager markers at all)."""
+            import os
+
+            from asyncgpu import _cuda
+
+            streams = _cuda._all_streams(ctx._state.backend)
+            before = [s._kernel_event_markers for s in streams]
+            os.environ["ASYNCGPU_KERNEL_MARKERS"] = "counter"  # for streams made meanwhile
+            for s in streams:
+                s._kernel_event_markers = False
+            try:
+                return fn(ctx, empty)
+            finally:
+                del os.environ["ASYNCGPU_KERNEL_MARKERS"]
+                for s, b in zip(streams, before, strict=True):
+                    s._kernel_event_markers = b
+                for s in _cuda._all_streams(ctx._state.backend):
+                    if s not in streams:
+                        s._kernel_event_markers = True
+
+        def latency_counter_markers() -> dict[str, Any]:
+            r = with_counter_markers(lambda c, f: bench_engine.latency(c, f, 2000))
+            return {
+                "await_median_us": r["asyncgpu_await"]["median_us"],
+                "blocking_median_us": r["blocking_stream_sync"]["median_us"],
+                "ratio_await_over_blocking": r["ratio_await_over_blocking"],
+            }
+
         steps += [
             ("engine_latency", "engine", latency),
+            ("engine_latency_counter_markers", "engine", latency_counter_markers),
+            (
+                "engine_throughput_counter_markers",
+                "engine",
+                lambda: with_counter_markers(
+                    lambda c, f: bench_engine.throughput(c, f, 1000, 10, 8)
+                ),
+            ),
             (
                 "engine_throughput",
                 "engine",

@@ -23,6 +23,9 @@ _LAUNCH = ctypes.CFUNCTYPE(
 _WRITE64 = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint
 )
+_RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
 @dataclass
@@ -34,11 +37,15 @@ class Driver:
     writes: list[tuple[int, int, int]] = field(default_factory=list)
     launch_result: int = 0
     write_result: int = 0
+    records: list[tuple[int, int]] = field(default_factory=list)  # (event, stream)
+    finished: set[int] = field(default_factory=set)  # events cuEventQuery calls finished
+    record_result: int = 0
 
 
 @contextmanager
-def bound_stand_in() -> Iterator[Driver]:
-    """Bind ``_native`` to a new stand-in driver; the previous binding after."""
+def bound_stand_in(events: bool = False) -> Iterator[Driver]:
+    """Bind ``_native`` to a new stand-in driver (with ``events``, for
+    ``cuEventRecord`` and ``cuEventQuery`` too); the previous binding after."""
     d = Driver()
 
     def launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
@@ -51,16 +58,25 @@ def bound_stand_in() -> Iterator[Driver]:
         d.writes.append((stream, addr, value))
         return d.write_result
 
-    cl, cw = _LAUNCH(launch), _WRITE64(write64)
-    as_addr = ctypes.cast
-    prev = _native.bind(as_addr(cl, ctypes.c_void_p).value, as_addr(cw, ctypes.c_void_p).value)
+    def record(event, stream):
+        d.finished.discard(event)  # recorded again: not finished
+        d.records.append((event, stream))
+        return d.record_result
+
+    def query(event):
+        return 0 if event in d.finished else NOT_READY
+
+    fns = [_LAUNCH(launch), _WRITE64(write64)]
+    if events:
+        fns += [_RECORD(record), _QUERY(query)]
+    prev = _native.bind(*(ctypes.cast(f, ctypes.c_void_p).value for f in fns))
     try:
         yield d
     finally:
         if prev[0]:
             _native.bind(*prev)  # the real driver's, where this process bound it
         else:
-            _kept.append((cl, cw))  # still bound: must outlive the process's last call
+            _kept.append(fns)  # still bound: must outlive the process's last call
 
 
 _kept: list[Any] = []

@@ -87,7 +87,7 @@ class Stream:
 
 @pytest.fixture
 def driver() -> Iterator[Driver]:
-    with bound_stand_in() as d:
+    with bound_stand_in(events=True) as d:
         yield d
 
 
@@ -331,13 +331,23 @@ def test_polling_an_unmarked_event_marks_it_and_retires_it_once_passed(
     assert stream.s._poll(ev) is True and ev._done and not stream.s._inflight
 
 
-def test_the_counter_is_read_in_c_unless_copy_markers_are_outstanding(stream: Stream) -> None:
+def test_the_counter_is_read_in_c_and_marker_events_queried_there(
+    stream: Stream, driver: Driver
+) -> None:
     stream.counter.value = 7
     assert stream.s._completed_fast() == 7
+    stream.s._copy_marks.append((8, 0xE8))  # a copy's marker event
+    assert stream.s._completed_fast() == 7  # not finished (cuEventQuery)
+    driver.finished.add(0xE8)
+    assert stream.s._completed_fast() == 8 and stream.s._free_events == [0xE8]
+
+
+def test_without_cuEventQuery_marker_events_are_asked_of_completed_slow(stream: Stream) -> None:
     asked: list[int] = []
     stream.s._completed_slow = lambda: asked.append(1) or 9
-    stream.s._copy_marks.append((8, "event"))  # a copy's marker event: the slow path
-    assert stream.s._completed_fast() == 9 and asked == [1]
+    stream.s._copy_marks.append((8, 0xE8))
+    with bound_stand_in(events=False):
+        assert stream.s._completed_fast() == 9 and asked == [1]
 
 
 class _Function:
@@ -367,3 +377,75 @@ def test_cuda_stream_launch_takes_the_fast_path_or_hands_the_launch_to_launch(
     else:
         assert ev == "general" and general == [(f, f, ARGS, f, constant)]
         assert driver.launches == []
+
+
+# -- the marker after an eager launch as a driver event --------------------------------
+# cuStreamWriteValue64 cost the H200's host 1.45 us a call, cuEventRecord 0.49 us
+# (benchmarks/probe_driver.py, 2026-12-04): the eager marker after a launch is an event.
+
+
+@pytest.fixture
+def evented(stream: Stream) -> Stream:
+    stream.s._kernel_event_markers = True
+    stream.s._eager = True
+    made = iter(range(0xE0, 0x100))
+    stream.s._new_marker_event = lambda: next(made)  # event "handles"
+    return stream
+
+
+def test_an_eager_launch_records_a_marker_event_instead_of_writing_the_counter(
+    evented: Stream, driver: Driver
+) -> None:
+    plan = evented.plan(ARGS, CODES)
+    ev = evented.launch(plan, ARGS)
+    assert ev is not None and markers(driver) == []  # no counter write
+    assert driver.records == [(0xE0, 0x5EA)]  # the event, on the stream
+    s = evented.s
+    assert list(s._copy_marks) == [(1, 0xE0)]
+    assert (s._marked, s._issued_mark, s._counter_mark) == (1, 1, 0)
+
+
+def test_finished_marker_events_retire_their_work_and_are_recorded_again(
+    evented: Stream, driver: Driver
+) -> None:
+    plan = evented.plan(ARGS, CODES)
+    first = evented.launch(plan, ARGS)
+    second = evented.launch(plan, ARGS)
+    assert first is not None and second is not None
+    assert evented.s._completed() == 0 and not first._done  # neither event finished
+    driver.finished.add(0xE0)
+    assert evented.s._completed() == 1  # the first event says its launch finished
+    assert evented.s._poll(first) and not second._done
+    assert list(evented.s._copy_marks) == [(2, 0xE1)] and evented.s._free_events == [0xE0]
+    evented.launch(plan, ARGS)  # the free event is recorded again, not a new one
+    assert driver.records[-1] == (0xE0, 0x5EA) and evented.s._free_events == []
+
+
+def test_a_counter_past_a_marker_event_retires_it_without_asking_the_driver(
+    evented: Stream, driver: Driver
+) -> None:
+    plan = evented.plan(ARGS, CODES)
+    evented.launch(plan, ARGS)
+    evented.counter.value = 1  # a later counter marker reached the host first
+    assert evented.s._completed() == 1 and not evented.s._copy_marks
+
+
+def test_a_failed_event_record_raises_and_keeps_the_event(evented: Stream, driver: Driver) -> None:
+    plan = evented.plan(ARGS, CODES)
+    driver.record_result = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(DeviceError, match="cuEventRecord"):
+        evented.launch(plan, ARGS)
+    s = evented.s
+    assert s._free_events == [0xE0] and not s._copy_marks and s._marked == 0
+    assert s._seq == 1 and len(s._inflight) == 1  # the kernel went in
+    assert _lock_is_free(s._marker_lock) and _lock_is_free(s._submit_lock)
+
+
+def test_without_the_event_entry_points_an_eager_launch_writes_the_counter(
+    stream: Stream,
+) -> None:
+    stream.s._kernel_event_markers = True
+    stream.s._eager = True
+    with bound_stand_in(events=False) as plain:  # cuLaunchKernel, cuStreamWriteValue64 only
+        stream.launch(stream.plan(ARGS, CODES), ARGS)
+    assert markers(plain) == [1] and plain.records == [] and not stream.s._copy_marks
