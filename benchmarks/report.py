@@ -49,8 +49,8 @@ def render(doc: dict[str, Any]) -> str:
             _m(res, "engine_latency", "event_synchronize_median_us"),
         ),
         (
-            "asyncgpu `await`, a counter write after each launch (the losing marker)",
-            _m(res, "engine_latency_counter_markers", "await_median_us"),
+            "asyncgpu `await`, a driver event after each launch (the losing marker)",
+            _m(res, "engine_latency_event_markers", "await_median_us"),
         ),
         ("launch + `cuStreamSynchronize` (same process)", base),
         ("peers: `cuStreamSynchronize`", _m(res, "rt_stream_sync", "median_us")),
@@ -92,8 +92,8 @@ def render(doc: dict[str, Any]) -> str:
         "| strategy | awaited ops/s |",
         "| --- | --- |",
         f"| asyncgpu | {_f(_m(res, 'engine_throughput', 'ops_per_s'), '{:,.0f}')} |",
-        f"| asyncgpu, a counter write after each launch | "
-        f"{_f(_m(res, 'engine_throughput_counter_markers', 'ops_per_s'), '{:,.0f}')} |",
+        f"| asyncgpu, a driver event after each launch | "
+        f"{_f(_m(res, 'engine_throughput_event_markers', 'ops_per_s'), '{:,.0f}')} |",
         f"| host callbacks into asyncio | "
         f"{_f(_m(res, 'tp_hostfunc_asyncio', 'median_ops_per_s'), '{:,.0f}')} |",
         f"| `cuEventQuery` polling with `asyncio.sleep(0)` | "

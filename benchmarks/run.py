@@ -333,20 +333,21 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_await_over_blocking": r["ratio_await_over_blocking"],
             }
 
-        def with_counter_markers(fn: Callable[[Any, Any], dict[str, Any]]) -> dict[str, Any]:
-            """The losing strategy kept visible: the marker after an eager launch
-            a counter write (cuStreamWriteValue64), not a driver event; on the same
-            context's streams (a second context's streams would outnumber the
-            hardware queues, and no stream would place eager markers at all)."""
+        def with_event_markers(fn: Callable[[Any, Any], dict[str, Any]]) -> dict[str, Any]:
+            """The losing strategy kept visible: the marker after an eager launch a
+            driver event (cuEventRecord, learned by cuEventQuery), not the counter
+            write; on the same context's streams (a second context's streams would
+            outnumber the hardware queues, and no stream would place eager markers
+            at all)."""
             import os
 
             from asyncgpu import _cuda
 
             streams = _cuda._all_streams(ctx._state.backend)
             before = [s._kernel_event_markers for s in streams]
-            os.environ["ASYNCGPU_KERNEL_MARKERS"] = "counter"  # for streams made meanwhile
+            os.environ["ASYNCGPU_KERNEL_MARKERS"] = "event"  # for streams made meanwhile
             for s in streams:
-                s._kernel_event_markers = False
+                s._kernel_event_markers = True
             try:
                 return fn(ctx, empty)
             finally:
@@ -355,10 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                     s._kernel_event_markers = b
                 for s in _cuda._all_streams(ctx._state.backend):
                     if s not in streams:
-                        s._kernel_event_markers = True
+                        s._kernel_event_markers = False
 
-        def latency_counter_markers() -> dict[str, Any]:
-            r = with_counter_markers(lambda c, f: bench_engine.latency(c, f, 2000))
+        def latency_event_markers() -> dict[str, Any]:
+            r = with_event_markers(lambda c, f: bench_engine.latency(c, f, 2000))
             return {
                 "await_median_us": r["asyncgpu_await"]["median_us"],
                 "blocking_median_us": r["blocking_stream_sync"]["median_us"],
@@ -367,13 +368,11 @@ def main(argv: list[str] | None = None) -> int:
 
         steps += [
             ("engine_latency", "engine", latency),
-            ("engine_latency_counter_markers", "engine", latency_counter_markers),
+            ("engine_latency_event_markers", "engine", latency_event_markers),
             (
-                "engine_throughput_counter_markers",
+                "engine_throughput_event_markers",
                 "engine",
-                lambda: with_counter_markers(
-                    lambda c, f: bench_engine.throughput(c, f, 1000, 10, 8)
-                ),
+                lambda: with_event_markers(lambda c, f: bench_engine.throughput(c, f, 1000, 10, 8)),
             ),
             (
                 "engine_throughput",
