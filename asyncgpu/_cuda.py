@@ -646,21 +646,16 @@ class CudaStream(_PolledStream):
         cfg: Any,
         constant_memory: Sequence[ConstantMemoryMapping],
     ) -> DeviceEvent:
-        impl: _CudaFunction = fn._impl
-        plan = impl.last if impl is not None else None
-        if plan is not None and plan.codes is not None and not constant_memory and cfg.dims:
-            # The fast path, one C call (``_native.stream_launch``): under the submit
-            # lock, the marker rules of ``_before_submit``, the function's last plan
-            # checked and packed, ``cuLaunchKernel`` with the counter marker when the
-            # stream is eager, the event; then ``_prune``. None: nothing launched.
-            ev = _native.stream_launch(self, impl.handle, cfg.dims, plan, args)
-            if ev is not None:
-                return ev  # type: ignore[no-any-return]
-        return self._launch(fn, impl, args, cfg, constant_memory)
+        """Launch ``fn``: through ``_launch`` here, where the C extension is not
+        built. With it, this is ``StreamCore._launch_c``: the function's last plan
+        checked, packed and launched in one C call (under the submit lock, the
+        marker rules of ``_before_submit``, ``cuLaunchKernel`` with the counter
+        marker when the stream is eager, the event, then ``_prune``), and
+        ``_launch`` for every launch it cannot take."""
+        return self._launch(fn, fn._impl, args, cfg, constant_memory)
 
     if not TYPE_CHECKING and _accel.native is not None:
-        # The same in C, without this method's Python frame (``StreamCore._launch_c``).
-        launch = _accel.native.StreamCore._launch_c
+        launch = _accel.native.StreamCore._launch_c  # (the docstring above)
 
     def _launch_failed(self, err: int, seq: int, args: tuple[Any, ...]) -> None:
         if err < _accel.native.MARKER_FAILED:
@@ -669,10 +664,6 @@ class CudaStream(_PolledStream):
         self._after_copy = False
         self._inflight.append(DeviceEvent(self, seq, args))
         raise _error(err - _accel.native.MARKER_FAILED, "cuStreamWriteValue64")
-
-    def _param_memory(self, plan: _ArgPlan) -> _ParamMemory:
-        mem = self._param_mem[plan] = _ParamMemory(8 * len(plan.codes or ()))
-        return mem
 
     def _launch(
         self,

@@ -277,6 +277,19 @@ def run_case(
     return CaseResult(name, group, "ok", metrics=clean, seconds=time.perf_counter() - t0)
 
 
+def report_probe(out: Mapping[str, Any], json_path: str | None, skip: Iterable[str] = ()) -> None:
+    """Print a probe's flat figures one per line (``skip``: nested ones, which only
+    the JSON keeps), and write all of it to ``json_path`` if given."""
+    leave = {"environment", *skip}
+    for k, v in out.items():
+        if k not in leave:
+            print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
+    if json_path:
+        from pathlib import Path
+
+        Path(json_path).write_text(json.dumps(out, indent=1))
+
+
 def _clean_number(v: Any) -> Any:
     """Plain Python numbers for JSON (NumPy scalars become int/float/bool)."""
     if v is None or type(v) in (bool, int, float, str):

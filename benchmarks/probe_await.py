@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -35,7 +34,7 @@ def main() -> dict[str, Any]:
     a = p.parse_args()
     if a.completion:
         os.environ["ASYNCGPU_COMPLETION"] = a.completion
-    from _harness import environment_info
+    from _harness import environment_info, report_probe
     from bench_fastpaths import SRC
     from cuda.bindings import driver as cu
     from cuda.core import LaunchConfig, launch
@@ -115,11 +114,7 @@ def main() -> dict[str, Any]:
         asyncio.run(run())
     out["ratio_interleaved"] = out["interleaved_await_us"] / out["interleaved_blocking_us"]
     out["ratio_back_to_back"] = out["back_to_back_whole_us"] / out["interleaved_blocking_us"]
-    for k, v in out.items():
-        if k != "environment":
-            print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    report_probe(out, a.json)
     return out
 
 

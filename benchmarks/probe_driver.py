@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ import asyncgpu as ag
 from asyncgpu import _cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import environment_info
+from _harness import environment_info, report_probe
 from bench_fastpaths import SRC  # its "empty" and "axpy" kernels
 
 
@@ -189,12 +188,7 @@ def main() -> dict[str, Any]:
         sync()
         cu.cuEventDestroy(ev)
         _cuda._slab.give_back(counter)
-    for k, v in out.items():
-        if k in ("environment", "pipeline_8mib", "bench_launch_section"):
-            continue
-        print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    report_probe(out, a.json, skip=("pipeline_8mib", "bench_launch_section"))
     return out
 
 

@@ -234,3 +234,12 @@ def test_peers_cli_and_unavailable_cases(tmp_path, monkeypatch):
     assert res[0].reason == (
         "unavailable: no CUDA driver: RuntimeError: Failed to dlopen libcuda.so.1"
     )
+
+
+def test_a_probe_report_prints_flat_figures_and_writes_everything(tmp_path, capsys):
+    out = {"environment": {"date": "d"}, "launch_us": 3.14159, "err": 0, "nested": {"a": 1}}
+    path = tmp_path / "probe.json"
+    H.report_probe(out, str(path), skip=("nested",))
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"{'launch_us':40s} 3.142", f"{'err':40s} 0"]
+    assert json.loads(path.read_text()) == out
