@@ -8,6 +8,8 @@ import asyncio
 import gc
 import json
 import math
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -243,3 +245,19 @@ def test_a_probe_report_prints_flat_figures_and_writes_everything(tmp_path, caps
     printed = capsys.readouterr().out.splitlines()
     assert printed == [f"{'launch_us':40s} 3.142", f"{'err':40s} 0"]
     assert json.loads(path.read_text()) == out
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+def test_the_engine_emulation_runs_on_a_stand_in_driver(tmp_path):
+    """``benchmarks/emulate_engine.py``: asyncgpu's CUDA hot paths on a compiled
+    stand-in driver, so they can be compared between versions without a GPU."""
+    pytest.importorskip("asyncgpu._native", reason="the C extension is not built")
+    out = tmp_path / "emulated.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "emulate_engine.py"
+    subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], check=True)
+    figures = json.loads(out.read_text())
+    for key in ("launch_4args_us", "launch_and_await_us", "throughput_ops_per_s"):
+        assert figures[key] > 0
+    assert figures["cpu_function_chain_us_per_step"] > 0

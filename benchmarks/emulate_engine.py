@@ -1,0 +1,221 @@
+"""The host side of asyncgpu's CUDA hot paths on a stand-in driver: no GPU needed.
+
+CUDA streams are built as ``CudaStream`` builds them, but ``asyncgpu._native`` is
+bound to ``_stub_driver.c`` (compiled here with the system's C compiler): a
+launch that does nothing, and a completion counter that the "GPU" writes either
+at once or, for the throughput case, once per event-loop iteration. What is left
+is asyncgpu's own cost: the enqueue path, the await machinery, the reactor.
+
+These are figures of the machine it runs on, for comparing two versions of the
+code there (run it before and after a change). They are not GPU figures and are
+never reported as such; the H200's are in ``benchmarks/results/``.
+
+    python benchmarks/emulate_engine.py [--quick] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import Unavailable, environment_info, report_probe
+
+from asyncgpu import (
+    DeviceEvent,
+    _accel,
+    _cuda,
+)
+from asyncgpu._engine import watcher
+
+DIMS = (1, 1, 1, 1, 1, 1, 0)
+
+
+def stub_driver(workdir: str) -> ctypes.CDLL:
+    """``_stub_driver.c``, compiled into ``workdir``."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise Unavailable("no C compiler for the stand-in driver")
+    lib = Path(workdir) / "libstubdriver.so"
+    src = Path(__file__).with_name("_stub_driver.c")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", str(src), "-o", str(lib)], check=True)
+    return ctypes.CDLL(str(lib))
+
+
+def bind(lib: ctypes.CDLL, deferred: bool) -> None:
+    """Bind ``_native`` to the stand-in (``deferred``: counter writes do nothing;
+    the emulated GPU writes the counters itself)."""
+    native = _accel.native
+    addr = [
+        ctypes.cast(f, ctypes.c_void_p).value
+        for f in (
+            lib.stub_launch,
+            lib.stub_write64_deferred if deferred else lib.stub_write64,
+            lib.stub_record,
+            lib.stub_query,
+        )
+    ]
+    native.bind(*addr)
+    native.configure(DeviceEvent, watcher.sweep_later, _cuda._PolledStream.MARK_EVERY)
+    _cuda._native = native
+
+
+class _Backend:
+    completion = "counter"
+
+    def make_current(self) -> None:
+        pass
+
+
+class _Buffer:
+    """What the launch path reads of a device buffer."""
+
+    def __init__(self, ptr: int) -> None:
+        self._ptr = ptr
+        self._alloc = object()
+        self._ctx = SimpleNamespace(_state=SimpleNamespace(closed=False))
+
+
+def stream(index: int) -> Any:
+    """A ``CudaStream`` as ``CudaStream.__init__`` makes one, without a driver."""
+    state = SimpleNamespace(device_id=0, api="cuda", closed=False)
+    s = _cuda.CudaStream.__new__(_cuda.CudaStream)
+    _cuda._PolledStream.__init__(s, state, index, 0)
+    s.backend, s.owned, s.is_closed = _Backend(), True, False
+    s._events, s._copy_marks, s._free_events = None, deque(), []
+    s._after_copy, s._counter_mark, s._done_seq, s._host_ops = False, 0, 0, 0
+    s._marker_lock = threading.Lock()
+    s._counter = ctypes.c_uint64(0)
+    s.h, s.caddr = 0x5EA0 + index, ctypes.addressof(s._counter)
+    s._counter_in_c, s._kernel_event_markers = True, False
+    s._completed_slow = s._completed_counter
+    s._completed = s._completed_fast
+    s._write_marker = lambda seq: _accel.native.write64(s.h, s.caddr, seq)
+    s._query_fault = lambda: None
+    s._param_mem, s.label = {}, f"stub:0/s{index}"
+    return s
+
+
+def kernel(streams: list[Any], args: tuple[Any, ...], codes: bytes) -> Any:
+    """A function whose last plan is ``args``' types, with parameter memory on
+    every stream; it is also its own compiled code and launch configuration."""
+    plan = _cuda._ArgPlan((), struct.Struct("<" + "Q" * len(args)), tuple(map(type, args)))
+    plan.codes = codes
+    for s in streams:
+        s._param_mem[plan] = _cuda._ParamMemory(8 * len(args))
+    f = SimpleNamespace(last=plan, handle=0xF00, dims=DIMS)
+    f._impl = f
+    return f
+
+
+def per_call_us(fn: Any, calls: int, rounds: int = 5) -> float:
+    per = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter_ns() - t0) / calls / 1e3)
+    return min(per)
+
+
+def main() -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args()
+    if _accel.native is None:
+        raise SystemExit("asyncgpu._native is not built: nothing to emulate")
+    calls = 2000 if a.quick else 50000
+    tasks, per_task = (200, 5) if a.quick else (1000, 10)
+    out: dict[str, Any] = {"environment": environment_info(), "what": __doc__.splitlines()[0]}
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = stub_driver(tmp)
+        bind(lib, deferred=False)
+        s = stream(0)
+        args = (np.float32(1.5), _Buffer(0x1000), _Buffer(0x2000), np.int32(7))
+        f = kernel([s], args, b"fPPi")
+
+        def fire() -> None:
+            s.launch(f, args, f, ())
+
+        out["launch_4args_us"] = per_call_us(fire, calls)
+
+        async def awaited() -> float:
+            async def once() -> None:
+                await s.launch(f, args, f, ())
+
+            for _ in range(100):
+                await once()
+            samples = []
+            for _ in range(calls // 5):
+                t0 = time.perf_counter_ns()
+                await once()
+                samples.append(time.perf_counter_ns() - t0)
+            return statistics.median(samples) / 1e3
+
+        out["launch_and_await_us"] = asyncio.run(awaited())
+
+        bind(lib, deferred=True)
+        streams = [stream(i) for i in range(8)]
+        g = kernel(streams, (), b"")
+
+        async def throughput() -> float:
+            stop = False
+
+            async def gpu() -> None:
+                # The device: every marker handed to it is written once per iteration.
+                while not stop:
+                    for t in streams:
+                        t._counter.value = t._issued_mark
+                    await asyncio.sleep(0)
+
+            async def worker(k: int) -> None:
+                t = streams[k % len(streams)]
+                for _ in range(per_task):
+                    await t.launch(g, (), g, ())
+
+            device = asyncio.create_task(gpu())
+            await asyncio.gather(*(worker(k) for k in range(64)))
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(k) for k in range(tasks)))
+            dt = time.perf_counter() - t0
+            stop = True
+            await device
+            return tasks * per_task / dt
+
+        out["throughput_ops_per_s"] = max(asyncio.run(throughput()) for _ in range(3))
+
+        bind(lib, deferred=False)
+        c = stream(9)
+        steps = 200 if a.quick else 2000
+
+        async def chain() -> float:
+            evs = [c.cpu_call(int.__mul__, (i, 3), {}) for i in range(steps)]
+            t0 = time.perf_counter()
+            await evs[-1]
+            return (time.perf_counter() - t0) / steps * 1e6
+
+        out["cpu_function_chain_us_per_step"] = asyncio.run(chain())
+    report_probe(out, a.json)
+    return out
+
+
+if __name__ == "__main__":
+    main()
