@@ -79,11 +79,13 @@ class _EventFields:
         lock = self._lock
         if lock is None:
             # No waiter has ever been registered and none can be mid-registration
-            # without having created the lock first (see _add_waiter).
-            self._value = value
-            self._error = error
-            self._done = True
-            self._keep = None
+            # without having created the lock first (see _add_waiter). A second
+            # finish keeps the first outcome, as under the lock.
+            if not self._done:
+                self._value = value
+                self._error = error
+                self._done = True
+                self._keep = None
             lock = self._lock
             if lock is None:
                 return
