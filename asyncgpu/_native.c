@@ -531,7 +531,7 @@ static PyType_Spec event_spec = {
 
 /* ---------------------------------------------------------------------------------
  * StreamCore: the bookkeeping fields of a polled stream (_PolledStream and
- * CudaStream subclass it), which stream_launch reads and writes directly.
+ * CudaStream subclass it), which the launch below reads and writes directly.
  */
 
 typedef struct {
@@ -1248,7 +1248,7 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
     return ev;
 }
 
-/* stream_launch(stream, func, dims, plan, args) -> DeviceEvent, or None.
+/* launch_fast(stream, func, dims, plan, args) -> DeviceEvent, or None.
  *
  * CudaStream.launch's fast path in one call: under the stream's submit lock,
  * the marker rules of _before_submit, the arguments checked against the plan
@@ -1267,7 +1267,7 @@ static PyObject *launch_fast(StreamCore *s, PyObject *funcobj, PyObject *dims, P
     if (!is_none(s->pending))
         Py_RETURN_NONE;
     if (!PyTuple_Check(argt)) {
-        PyErr_SetString(PyExc_TypeError, "stream_launch: args is a tuple");
+        PyErr_SetString(PyExc_TypeError, "launch: args is a tuple");
         return NULL;
     }
     if (as_u64(funcobj, &func) || parse_dims(dims, d))
@@ -1324,30 +1324,6 @@ static PyObject *launch_fast(StreamCore *s, PyObject *funcobj, PyObject *dims, P
     return ev;
 }
 
-static int configured(void) {
-    if (!ready())
-        return 0;
-    if (event_type == NULL || stream_core_type == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "asyncgpu._native is not configured");
-        return 0;
-    }
-    return 1;
-}
-
-static PyObject *stream_launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 5) {
-        PyErr_SetString(PyExc_TypeError, "stream_launch(stream, func, dims, plan, args)");
-        return NULL;
-    }
-    if (!configured())
-        return NULL;
-    if (!PyObject_TypeCheck(args[0], stream_core_type)) {
-        PyErr_SetString(PyExc_TypeError, "stream_launch: not a polled stream");
-        return NULL;
-    }
-    return launch_fast((StreamCore *)args[0], args[1], args[2], args[3], args[4]);
-}
-
 /* StreamCore.launch(fn, args, cfg, constant_memory) -> DeviceEvent: CudaStream.launch
  * in C. The fast path (launch_fast) when the function has a plan, nothing goes to
  * constant memory and the configuration has plain dimensions; every other launch,
@@ -1393,7 +1369,7 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
 }
 
 /* configure(event_type, sweep_later, mark_every): the DeviceEvent class (a
- * subclass of EventCore) that stream_launch creates, the watcher's sweep_later,
+ * subclass of EventCore) that a launch creates, the watcher's sweep_later,
  * and _PolledStream.MARK_EVERY. */
 static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     long long every;
@@ -1432,11 +1408,8 @@ static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(func, dims, stream, types, codes, args, data, pointers[, counter, value]) "
      "-> CUresult (or -1: an argument's type is not the plan's; nothing launched)."},
-    {"stream_launch", (PyCFunction)(void (*)(void))stream_launch, METH_FASTCALL,
-     "stream_launch(stream, func, dims, plan, args) -> DeviceEvent, or None when the "
-     "general path must take the launch (nothing launched)."},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
-     "configure(event_type, sweep_later, mark_every): what stream_launch creates and calls."},
+     "configure(event_type, sweep_later, mark_every): what StreamCore._launch_c creates and calls."},
     {NULL, NULL, 0, NULL},
 };
 

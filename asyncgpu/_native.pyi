@@ -18,14 +18,6 @@ def launch(
     value: int = ...,
     /,
 ) -> int: ...
-def stream_launch(
-    stream: StreamCore,
-    func: int,
-    dims: tuple[int, int, int, int, int, int, int],
-    plan: object,
-    args: tuple[object, ...],
-    /,
-) -> EventCore | None: ...
 def configure(event_type: type[EventCore], sweep_later: object, mark_every: int, /) -> None: ...
 
 class EventCore:
@@ -38,4 +30,9 @@ class EventCore:
 class StreamCore:
     """The bookkeeping fields of a polled stream (asyncgpu._stream subclasses this)."""
 
+    def _launch_c(
+        self, fn: object, args: tuple[object, ...], cfg: object, constant_memory: object, /
+    ) -> EventCore: ...
+    def _poll(self, ev: EventCore, /) -> bool: ...
+    def _completed_fast(self) -> int: ...
     def _retire(self) -> bool: ...

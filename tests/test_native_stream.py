@@ -1,4 +1,4 @@
-"""The CUDA launch fast path in C (``_native.stream_launch``) and the C fields of
+"""The CUDA launch fast path in C (``StreamCore._launch_c``) and the C fields of
 events and polled streams (``EventCore``, ``StreamCore``), against a stand-in
 driver (ctypes functions that record what they were given) and a CudaStream
 built without a GPU.
@@ -45,6 +45,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+class _Function:
+    """What CudaStream.launch reads of a DeviceFunction, its compiled code, its
+    launch configuration."""
+
+    def __init__(self, plan: cuda._ArgPlan | None) -> None:
+        self._impl = self
+        self.last, self.handle, self.dims = plan, 0xF00, DIMS
+
+
 class Stream:
     """A CudaStream on the stand-in driver, its counter in ordinary memory."""
 
@@ -71,6 +80,7 @@ class Stream:
         s._write_marker = lambda seq: _native.write64(s.h, s.caddr, seq)
         s._param_mem = {}
         s.label = "test/s0"
+        s._launch = lambda *a: None  # the general path: "handed back"
         self.sweeps = sweeps
 
     def plan(self, args: tuple[Any, ...], codes: bytes) -> cuda._ArgPlan:
@@ -82,7 +92,9 @@ class Stream:
         return plan
 
     def launch(self, plan: cuda._ArgPlan, args: tuple[Any, ...]) -> DeviceEvent | None:
-        return _native.stream_launch(self.s, 0xF00, DIMS, plan, args)
+        """``CudaStream.launch``; None where it handed the launch to ``_launch``."""
+        f = _Function(plan)
+        return self.s.launch(f, args, f, ())
 
 
 @pytest.fixture
@@ -286,11 +298,6 @@ def test_configure_wants_a_device_event_class() -> None:
         _native.configure(DeviceEvent, print, 0)
 
 
-def test_stream_launch_wants_a_polled_stream(driver: Driver) -> None:
-    with pytest.raises(TypeError, match="polled stream"):
-        _native.stream_launch(object(), 0xF00, DIMS, None, ())
-
-
 def test_finish_wakes_each_waiter_once_and_keeps_the_first_outcome() -> None:
     ev = DeviceEvent(None, 1, keep=["kept"])
     seen: list[Any] = []
@@ -348,15 +355,6 @@ def test_without_cuEventQuery_marker_events_are_asked_of_completed_slow(stream: 
     stream.s._copy_marks.append((8, 0xE8))
     with bound_stand_in(events=False):
         assert stream.s._completed_fast() == 9 and asked == [1]
-
-
-class _Function:
-    """What CudaStream.launch reads of a DeviceFunction, its compiled code, its
-    launch configuration."""
-
-    def __init__(self, plan: cuda._ArgPlan | None) -> None:
-        self._impl = self
-        self.last, self.handle, self.dims = plan, 0xF00, DIMS
 
 
 @pytest.mark.parametrize("why", ["fast", "constant memory", "no plan", "no dimensions"])
