@@ -401,7 +401,7 @@ class _Watcher:
                         continue
                     tail = stream.tail()
                     if tail is not None:
-                        stream._need(tail)  # idle streams get a marker, so work retires
+                        stream._need(tail, eager=False, waited=False)  # a marker, so work retires
                     if stream._retire():
                         with self._cond:
                             self._sweep.discard(stream)

@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import asyncgpu as ag
@@ -138,11 +141,21 @@ def _interleaved_with_cuda_core(
         for name, (ours, theirs) in cases.items():
             mine: list[float] = []
             core: list[float] = []
+            gc_mine, gc_core = _harness.GcRecorder(), _harness.GcRecorder()
             for _ in range(rounds):
-                mine.append(_median_per_call_us(ours, calls, 1, ctx.synchronize)["median_us"])
-                core.append(_median_per_call_us(theirs, calls, 1, cs.sync)["median_us"])
+                with gc_mine:
+                    mine.append(_median_per_call_us(ours, calls, 1, ctx.synchronize)["median_us"])
+                with gc_core:
+                    core.append(_median_per_call_us(theirs, calls, 1, cs.sync)["median_us"])
             out[f"paired_{name}_median_us"] = statistics.median(mine)
             out[f"paired_core_{name}_median_us"] = statistics.median(core)
+            # The collector's share of each side: its pauses per launch, and its
+            # passes by generation, over every round.
+            for who, rec in (("", gc_mine), ("core_", gc_core)):
+                out[f"paired_{who}{name}_gc_pause_us_per_call"] = (
+                    rec.pause_s * 1e6 / (calls * rounds)
+                )
+                out[f"paired_{who}{name}_gc_passes"] = list(rec.passes)
     finally:
         cs.sync()
         cx.close(cs)

@@ -26,7 +26,7 @@ import asyncgpu as ag
 from asyncgpu import _cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import environment_info, report_probe
+from _harness import GcRecorder, environment_info, report_probe
 from bench_fastpaths import SRC  # its "empty" and "axpy" kernels
 
 
@@ -160,7 +160,22 @@ def main() -> dict[str, Any]:
         def enqueue4() -> None:
             ctx.enqueue_function(axpy_f, a_, x, y, nn, grid_dim=4, block_dim=256)
 
-        out["layer_enqueue_function_4args_10k_calls_us"] = per_call_us(enqueue4, sync, 10000)
+        with GcRecorder() as rec:
+            out["layer_enqueue_function_4args_10k_calls_us"] = per_call_us(enqueue4, sync, 10000)
+        out["layer_10k_calls_gc_passes"] = list(rec.passes)
+        out["layer_10k_calls_gc_pause_ms"] = rec.pause_s * 1e3
+        # With the heap built so far frozen (gc.freeze): a full pass then scans only
+        # what was made since, so this tells the cost of full passes over the
+        # libraries' objects from the cost of passes over the launches' own.
+        gc.freeze()
+        try:
+            with GcRecorder() as rec:
+                out["layer_enqueue_function_4args_10k_calls_frozen_us"] = per_call_us(
+                    enqueue4, sync, 10000
+                )
+            out["layer_10k_calls_frozen_gc_passes"] = list(rec.passes)
+        finally:
+            gc.unfreeze()
         gc.disable()
         try:
             out["layer_enqueue_function_4args_10k_calls_no_gc_us"] = per_call_us(

@@ -323,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
         spin = ctx.compile_function(bench_engine.SRC, "spin")
 
         def latency() -> dict[str, Any]:
-            r = bench_engine.latency(ctx, empty, 300 if a.quick else 2000)
+            with H.GcRecorder() as rec:
+                r = bench_engine.latency(ctx, empty, 300 if a.quick else 2000)
             return {
+                **rec.metrics(),
                 "await_median_us": r["asyncgpu_await"]["median_us"],
                 "await_p99_us": r["asyncgpu_await"]["p99_us"],
                 "blocking_median_us": r["blocking_stream_sync"]["median_us"],

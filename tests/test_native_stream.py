@@ -211,6 +211,47 @@ def test_an_eager_stream_goes_lazy_when_its_last_event_was_dropped_unawaited(
     assert markers(driver) == [1]  # only the launch made while eager
 
 
+def test_a_blocking_wait_between_awaits_keeps_the_stream_eager(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    awaited = stream.launch(plan, ARGS)
+    assert awaited is not None and stream.s._poll(awaited) is False  # awaited: eager
+    stream.counter.value = 1
+    assert stream.s._poll(awaited) is True
+    blocked = stream.launch(plan, ARGS)  # marked at once: the stream is eager
+    assert blocked is not None and markers(driver) == [1, 2]
+    stream.counter.value = 2
+    cuda._PolledStream._block(stream.s, blocked)  # as ``blocked.synchronize()`` waits
+    del awaited, blocked
+    stream.launch(plan, ARGS)  # the last operation was waited for: still eager
+    assert stream.s._eager is True and markers(driver) == [1, 2, 3]
+
+
+def test_a_blocking_wait_does_not_make_a_lazy_stream_eager(stream: Stream, driver: Driver) -> None:
+    plan = stream.plan(ARGS, CODES)
+    ev = stream.launch(plan, ARGS)
+    stream.counter.value = 1
+    assert ev is not None and markers(driver) == []
+    cuda._PolledStream._block(stream.s, ev)  # its marker is placed when it blocks
+    assert markers(driver) == [1] and ev._done and stream.s._eager is False
+    del ev
+    stream.launch(plan, ARGS)
+    assert markers(driver) == [1]
+
+
+def test_the_watchers_sweep_marks_the_tail_without_counting_it_as_waited(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    stream.launch(plan, ARGS)
+    tail = stream.s.tail()
+    assert tail is not None
+    stream.s._need(tail, eager=False, waited=False)  # what the sweep does
+    assert markers(driver) == [1]
+    assert (stream.s._eager, stream.s._awaited) == (False, 0)
+
+
 def test_finished_events_retire_in_order_and_release_their_arguments(
     stream: Stream, driver: Driver
 ) -> None:
