@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._accel import native
 from ._errors import ContextClosedError
 
 if TYPE_CHECKING:
@@ -83,20 +84,37 @@ class _Pointer:
         self._owner = None
 
 
-class _BufferBase:
+class _BufferFields:
+    """The fields of a buffer that a launch reads: its address, its allocation
+    (None once it no longer owns memory) and its context."""
+
+    __slots__ = ("_alloc", "_ctx", "_ptr")
+    _alloc: Any
+    _ctx: DeviceContext
+    _ptr: int
+
+
+# In C where the extension is built: the CUDA launch then packs a buffer argument
+# by reading these fields directly (``asyncgpu._native``, ``pack_one``).
+if TYPE_CHECKING:
+    _BufferFieldsBase = _BufferFields
+elif native is not None:
+    _BufferFieldsBase = native.BufferCore
+else:
+    _BufferFieldsBase = _BufferFields
+
+
+class _BufferBase(_BufferFieldsBase):
     """Shared behaviour of device and host buffers."""
 
     __slots__ = (
         "__weakref__",
-        "_alloc",
-        "_ctx",
         "_dtype",
         "_hostbytes",
         "_nbytes",
         "_owner",
         "_owns",
         "_parent",
-        "_ptr",
         "_size",
     )
     _kind = "device"

@@ -118,20 +118,87 @@ static PyObject *write64(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     return PyLong_FromLong(err);
 }
 
+static int is_none(PyObject *o);
+
+/* BufferCore: the fields of a device or host buffer that a launch reads (its
+ * address, its allocation, its context), in C so that packing a buffer argument
+ * reads them directly. asyncgpu._buffer._BufferBase subclasses it. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *alloc, *ctx;
+    unsigned long long ptr;
+} BufferCore;
+
+static PyTypeObject *buffer_core_type = NULL;
+
+static PyMemberDef buffer_members[] = {
+    {"_alloc", T_OBJECT, offsetof(BufferCore, alloc), 0, NULL},
+    {"_ctx", T_OBJECT, offsetof(BufferCore, ctx), 0, NULL},
+    {"_ptr", T_ULONGLONG, offsetof(BufferCore, ptr), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int buffer_traverse(PyObject *self, visitproc visit, void *arg) {
+    BufferCore *b = (BufferCore *)self;
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(b->alloc);
+    Py_VISIT(b->ctx);
+    return 0;
+}
+
+static int buffer_clear(PyObject *self) {
+    BufferCore *b = (BufferCore *)self;
+    Py_CLEAR(b->alloc);
+    Py_CLEAR(b->ctx);
+    return 0;
+}
+
+static void buffer_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    PyObject_GC_UnTrack(self);
+    buffer_clear(self);
+    free_(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot buffer_slots[] = {
+    {Py_tp_traverse, (void *)buffer_traverse},
+    {Py_tp_clear, (void *)buffer_clear},
+    {Py_tp_dealloc, (void *)buffer_dealloc},
+    {Py_tp_members, buffer_members},
+    {Py_tp_doc, "The fields of a buffer that a launch reads (asyncgpu._buffer subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec buffer_spec = {
+    "asyncgpu._native.BufferCore", sizeof(BufferCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, buffer_slots,
+};
+
 /* 1 if the buffer ``a`` may be used (it owns memory and its context is open),
  * 0 if not (the caller's general path raises the precise error), -1 on error. */
 static int usable(PyObject *a) {
-    PyObject *o = PyObject_GetAttr(a, s_alloc), *ctx, *state, *closed;
+    PyObject *o, *ctx, *state, *closed;
     int rc;
-    if (o == NULL)
-        return -1;
-    rc = o != Py_None;
-    Py_DECREF(o);
-    if (rc != 1)
-        return 0;
-    ctx = PyObject_GetAttr(a, s_ctx);
-    if (ctx == NULL)
-        return -1;
+    if (PyObject_TypeCheck(a, buffer_core_type)) {
+        BufferCore *b = (BufferCore *)a;
+        if (is_none(b->alloc) || is_none(b->ctx))
+            return 0;
+        ctx = b->ctx;
+        Py_INCREF(ctx);
+    } else {
+        o = PyObject_GetAttr(a, s_alloc);
+        if (o == NULL)
+            return -1;
+        rc = o != Py_None;
+        Py_DECREF(o);
+        if (rc != 1)
+            return 0;
+        ctx = PyObject_GetAttr(a, s_ctx);
+        if (ctx == NULL)
+            return -1;
+    }
     state = PyObject_GetAttr(ctx, s_state);
     Py_DECREF(ctx);
     if (state == NULL)
@@ -156,6 +223,10 @@ static int pack_one(char code, PyObject *a, unsigned char *slot) {
         int rc = usable(a);
         if (rc <= 0)
             return rc < 0 ? -1 : 1;
+        if (PyObject_TypeCheck(a, buffer_core_type)) {
+            memcpy(slot, &((BufferCore *)a)->ptr, 8);
+            return 0;
+        }
         p = PyObject_GetAttr(a, s_ptr);
         if (p == NULL)
             return -1;
@@ -545,6 +616,12 @@ typedef struct {
      * the popleft of _copy_marks */
     PyObject *marker_lock, *free_events, *mlock_of, *macquire, *mrelease, *marks_of,
         *marks_popleft;
+    /* one-entry caches of the launch path (a kernel launched again and again):
+     * the last function's handle, the last plan's types and codes, the last
+     * parameter memory's addresses. Each holds the object it was read from, so
+     * the identity test is sound; what is read never changes after __init__. */
+    PyObject *fn_of, *plan_of, *plan_types, *plan_codes, *mem_of;
+    unsigned long long fn_handle, mem_addr, mem_ptrs;
     long long seq, marked, awaited, issued_mark, counter_mark, done_seq;
     unsigned long long h, caddr;
     char eager, touched, after_copy, counter_in_c, kernel_event_markers;
@@ -610,6 +687,11 @@ static int stream_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(s->mrelease);
     Py_VISIT(s->marks_of);
     Py_VISIT(s->marks_popleft);
+    Py_VISIT(s->fn_of);
+    Py_VISIT(s->plan_of);
+    Py_VISIT(s->plan_types);
+    Py_VISIT(s->plan_codes);
+    Py_VISIT(s->mem_of);
     return 0;
 }
 
@@ -639,6 +721,11 @@ static int stream_clear(PyObject *self) {
     Py_CLEAR(s->mrelease);
     Py_CLEAR(s->marks_of);
     Py_CLEAR(s->marks_popleft);
+    Py_CLEAR(s->fn_of);
+    Py_CLEAR(s->plan_of);
+    Py_CLEAR(s->plan_types);
+    Py_CLEAR(s->plan_codes);
+    Py_CLEAR(s->mem_of);
     return 0;
 }
 
@@ -1201,7 +1288,19 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
         Py_RETURN_NONE; /* the general path makes the plan's parameter memory */
     }
     Py_INCREF(mem);
-    rc = nargs ? param_addrs(mem, &addr, &ptrs) : 0;
+    if (mem == s->mem_of) {
+        addr = s->mem_addr;
+        ptrs = s->mem_ptrs;
+        rc = 0;
+    } else {
+        rc = nargs ? param_addrs(mem, &addr, &ptrs) : 0;
+        if (rc == 0 && nargs) {
+            Py_INCREF(mem);
+            replace_ref(&s->mem_of, mem);
+            s->mem_addr = addr;
+            s->mem_ptrs = ptrs;
+        }
+    }
     if (rc == 0)
         rc = pack_args(codes, argt, addr);
     Py_DECREF(mem);
@@ -1259,10 +1358,10 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
  * parameter memory on this stream yet, or an argument is not the plan's type
  * or cannot be used (the general path raises the precise error).
  */
-static PyObject *launch_fast(StreamCore *s, PyObject *funcobj, PyObject *dims, PyObject *plan,
-                             PyObject *argt) {
+static PyObject *launch_fast(StreamCore *s, unsigned long long func, PyObject *dims,
+                             PyObject *plan, PyObject *argt) {
     PyObject *types, *codes, *ev, *r;
-    unsigned long long func, d[7];
+    unsigned long long d[7];
     int rc;
     if (!is_none(s->pending))
         Py_RETURN_NONE;
@@ -1270,15 +1369,28 @@ static PyObject *launch_fast(StreamCore *s, PyObject *funcobj, PyObject *dims, P
         PyErr_SetString(PyExc_TypeError, "launch: args is a tuple");
         return NULL;
     }
-    if (as_u64(funcobj, &func) || parse_dims(dims, d))
+    if (parse_dims(dims, d))
         return NULL;
-    types = PyObject_GetAttr(plan, s_types);
-    if (types == NULL)
-        return NULL;
-    codes = PyObject_GetAttr(plan, s_codes);
-    if (codes == NULL) {
-        Py_DECREF(types);
-        return NULL;
+    if (plan == s->plan_of) {
+        types = s->plan_types;
+        codes = s->plan_codes;
+        Py_INCREF(types);
+        Py_INCREF(codes);
+    } else {
+        types = PyObject_GetAttr(plan, s_types);
+        if (types == NULL)
+            return NULL;
+        codes = PyObject_GetAttr(plan, s_codes);
+        if (codes == NULL) {
+            Py_DECREF(types);
+            return NULL;
+        }
+        Py_INCREF(plan);
+        replace_ref(&s->plan_of, plan);
+        Py_INCREF(types);
+        replace_ref(&s->plan_types, types);
+        Py_INCREF(codes);
+        replace_ref(&s->plan_codes, codes);
     }
     rc = codes == Py_None ? 1 : plan_matches(types, codes, argt);
     Py_DECREF(types);
@@ -1340,13 +1452,24 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
         return NULL;
     rc = p_launch != NULL && event_type != NULL && impl != Py_None ? PyObject_Not(args[3]) : 0;
     if (rc == 1) {
+        StreamCore *s = (StreamCore *)self;
+        unsigned long long func = s->fn_handle;
         plan = PyObject_GetAttr(impl, s_last);
         dims = PyObject_GetAttr(args[2], s_dims);
-        handle = PyObject_GetAttr(impl, s_handle);
-        if (plan == NULL || dims == NULL || handle == NULL)
+        if (impl != s->fn_of) {
+            handle = PyObject_GetAttr(impl, s_handle);
+            if (handle == NULL || as_u64(handle, &func)) {
+                rc = -1;
+            } else {
+                Py_INCREF(impl);
+                replace_ref(&s->fn_of, impl);
+                s->fn_handle = func;
+            }
+        }
+        if (rc < 0 || plan == NULL || dims == NULL)
             rc = -1;
         else if (plan != Py_None && PyTuple_Check(dims) && PyTuple_Size(dims) == 7)
-            ev = launch_fast((StreamCore *)self, handle, dims, plan, args[1]);
+            ev = launch_fast(s, func, dims, plan, args[1]);
         if (rc == 1 && ev == NULL && PyErr_Occurred())
             rc = -1;
     }
@@ -1461,14 +1584,19 @@ PyMODINIT_FUNC PyInit__native(void) {
     stream_core_type = (PyTypeObject *)PyType_FromSpec(&stream_spec);
     if (stream_core_type == NULL)
         return NULL;
+    buffer_core_type = (PyTypeObject *)PyType_FromSpec(&buffer_spec);
+    if (buffer_core_type == NULL)
+        return NULL;
     m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     Py_INCREF(event_core_type);
     Py_INCREF(stream_core_type);
+    Py_INCREF(buffer_core_type);
     if (PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0 ||
         PyModule_AddObject(m, "EventCore", (PyObject *)event_core_type) < 0 ||
-        PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0) {
+        PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0 ||
+        PyModule_AddObject(m, "BufferCore", (PyObject *)buffer_core_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -36,3 +36,10 @@ class StreamCore:
     def _poll(self, ev: EventCore, /) -> bool: ...
     def _completed_fast(self) -> int: ...
     def _retire(self) -> bool: ...
+
+class BufferCore:
+    """The fields of a buffer that a launch reads (asyncgpu._buffer subclasses this)."""
+
+    _alloc: object
+    _ctx: object
+    _ptr: int

@@ -84,8 +84,9 @@ class _Backend:
         pass
 
 
-class _Buffer:
-    """What the launch path reads of a device buffer."""
+class _Buffer(_accel.native.BufferCore if _accel.native is not None else object):  # type: ignore[misc]
+    """What the launch path reads of a device buffer (in C fields, as asyncgpu's
+    buffers keep them)."""
 
     def __init__(self, ptr: int) -> None:
         self._ptr = ptr

@@ -211,6 +211,55 @@ def test_an_eager_stream_goes_lazy_when_its_last_event_was_dropped_unawaited(
     assert markers(driver) == [1]  # only the launch made while eager
 
 
+def test_launches_of_two_functions_and_plans_in_turn_each_get_their_own(
+    stream: Stream, driver: Driver
+) -> None:
+    # The stream keeps the last function's handle, the last plan's types and codes
+    # and the last parameter memory's addresses: alternating must not mix them up.
+    driver.nargs = 3
+    plan_a = stream.plan(ARGS, CODES)
+    other = (np.int32(5), Buf(0x7F00_0000_2000), np.float32(2.5))
+    plan_b = stream.plan(other, b"iPf")
+    fa, fb = _Function(plan_a), _Function(plan_b)
+    fb.handle = 0xB00
+    for _ in range(2):
+        assert stream.s.launch(fa, ARGS, fa, ()) is not None
+        assert stream.s.launch(fb, other, fb, ()) is not None
+    assert stream.s.launch(fb, ARGS, fb, ()) is None  # not plan_b's types: handed back
+    firsts = [(f, values[0], values[1]) for f, _, _, values, _ in driver.launches]
+    a = (0xF00, np.float32(1.5).tobytes() + bytes(4), (0x7F00_0000_1000).to_bytes(8, "little"))
+    b = (0xB00, np.int32(5).tobytes() + bytes(4), (0x7F00_0000_2000).to_bytes(8, "little"))
+    assert firsts == [a, b, a, b]
+
+
+class CoreBuf(_native.BufferCore):
+    """A buffer whose fields live in C, as asyncgpu's own buffers' do."""
+
+    def __init__(self, ptr: int) -> None:
+        self._ptr, self._alloc, self._ctx = ptr, object(), Buf(0)._ctx
+
+
+@pytest.mark.parametrize("state", ["usable", "no memory", "closed context"])
+def test_a_buffer_with_c_fields_is_packed_from_them(
+    stream: Stream, driver: Driver, state: str
+) -> None:
+    driver.nargs = 3
+    plan = stream.plan(ARGS, CODES)
+    buf = CoreBuf(0x7F00_0000_3000)
+    plan.types = (np.float32, CoreBuf, np.int32)
+    if state == "no memory":
+        buf._alloc = None
+    elif state == "closed context":
+        buf._ctx._state.closed = True
+    ev = stream.launch(plan, (ARGS[0], buf, ARGS[2]))
+    if state != "usable":
+        assert ev is None and driver.launches == []  # the general path raises the error
+        return
+    assert ev is not None and ev._keep[1] is buf
+    (values,) = [launch[3] for launch in driver.launches]
+    assert values[1] == (0x7F00_0000_3000).to_bytes(8, "little")
+
+
 def test_a_blocking_wait_between_awaits_keeps_the_stream_eager(
     stream: Stream, driver: Driver
 ) -> None:
