@@ -60,6 +60,8 @@ WAKE_MAX = 256
 INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
 
 _monotonic = time.perf_counter
+_get_ident = threading.get_ident
+_new_waiter = object.__new__
 
 
 # -- the CPU thread pool ------------------------------------------------------------
@@ -124,7 +126,12 @@ class _Reactor:
         self.task: asyncio.Task[None] | None = None
 
     def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any] | None:
-        w = _LoopWaiter(self.loop, self)
+        # _LoopWaiter(loop, self), without the call of its __init__ (a hot path)
+        w = _new_waiter(_LoopWaiter)
+        loop = w.loop = self.loop
+        fut = w.fut = loop.create_future()
+        w.thread = _get_ident()
+        w.reactor = self
         if not ev._add_waiter(w):
             return None
         heap = self.pending.get(stream)
@@ -136,7 +143,7 @@ class _Reactor:
             self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
         elif self.park is not None:
             _set_future(self.park)  # parked on a timer: poll now instead
-        return w.fut
+        return fut
 
     def _poll_once(self) -> bool:
         moved = False
@@ -272,8 +279,9 @@ def reactor_for(loop: asyncio.AbstractEventLoop) -> _Reactor:
 def polled_future(
     stream: _PolledStream, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
 ) -> asyncio.Future[Any] | None:
-    """The asyncio await of a polled stream: a future the reactor completes, or
-    None when the event finished during a brief inline spin.
+    """The asyncio await of a polled stream (its ``_future``): a marker covering
+    ``ev`` if none does yet, then a future the reactor completes, or None when
+    the event finished during a brief inline spin.
 
     The inline spin happens only for a lone awaiter (the reactor has nothing else
     pending) while the loop has no other callback ready to run (the idle
@@ -281,6 +289,8 @@ def polled_future(
     most ``INLINE_SPIN_S``, about the time a short kernel takes to come back.
     """
     global _last
+    if not stream._eager or ev._seq > stream._marked:
+        stream._need(ev)  # (after _poll, an eager stream has marked and counted ev)
     last = _last
     if last[0] is loop:
         reactor = last[1]

@@ -138,6 +138,13 @@ class DeviceEvent(_EventBase):
         """Wake the waiters of a finished event (``_finish`` calls this): awaiting
         tasks first, then callbacks (which may start the stream's next operation),
         so tasks wake in completion order."""
+        if len(waiters) == 1:
+            # The common case, inline: one task awaiting from the loop whose
+            # reactor noticed the completion (on that loop's thread).
+            w = waiters[0]
+            if type(w) is _LoopWaiter and w.reactor is not None and w.thread == _get_ident():
+                w.reactor.deferred.append(w.fut)
+                return
         _wake_all(self, waiters)
 
     def _outcome(self) -> Any:
@@ -177,7 +184,9 @@ class DeviceEvent(_EventBase):
             waiting = self._wait_on()
             if waiting is not None:
                 yield from waiting
-        return self._outcome()
+        if self._error is not None:  # (self._outcome(), inline: the await's hot path)
+            raise self._error
+        return self._value
 
     def _wait_async(self) -> Generator[Any, None, None]:
         """Wait for completion without returning the outcome."""

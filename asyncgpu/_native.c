@@ -1072,17 +1072,31 @@ static PyObject *stream_completed_fast(PyObject *self, PyObject *unused) {
     return PyLong_FromLongLong(c);
 }
 
-/* Finish one retired event: here when nobody waits on it and it has no value
- * (a kernel, copy or memset: set done, drop what it kept), else through the
- * stream's _finish_retired (host results, waiters to wake). */
+/* Finish one retired event: here when it has no value (a kernel, copy or
+ * memset: set done, drop what it kept, and wake its waiters through _finish),
+ * else through the stream's _finish_retired (host results). */
 static int finish_retired(StreamCore *s, PyObject *o) {
     if (PyObject_TypeCheck(o, event_core_type)) {
         EventCore *ev = (EventCore *)o;
-        if (ev->lock == NULL && is_none(ev->waiters) && is_none(ev->value)) {
-            if (ev->done)
+        if (ev->lock == NULL && is_none(ev->value)) {
+            PyObject *args[2], *r;
+            if (is_none(ev->waiters)) {
+                if (ev->done)
+                    return 0;
+                ev->done = 1;
+                Py_CLEAR(ev->keep);
                 return 0;
-            ev->done = 1;
-            Py_CLEAR(ev->keep);
+            }
+            /* Waited on: ev._finish(None, ev._error) as _finish_retired would call
+             * it, without the Python frame. */
+            args[0] = Py_None;
+            args[1] = ev->error == NULL ? Py_None : ev->error;
+            Py_INCREF(args[1]);
+            r = event_finish(o, args, 2);
+            Py_DECREF(args[1]);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
             return 0;
         }
     }

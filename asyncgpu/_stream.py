@@ -343,8 +343,9 @@ class _PolledStream(_StreamImpl, _StreamBase):
         return empty
 
     if not TYPE_CHECKING and native is not None:
-        # The same in C: it finishes a retired kernel, copy or memset nobody waits
-        # on without calling Python, and every other event through _finish_retired.
+        # The same in C: it finishes a retired kernel, copy or memset itself
+        # (calling Python only to wake its waiters), and an event with a value
+        # (host work) through _finish_retired.
         _retire = native.StreamCore._retire
 
     def _finish_retired(self, ev: DeviceEvent) -> None:
@@ -372,12 +373,9 @@ class _PolledStream(_StreamImpl, _StreamBase):
         self._need(ev)
         _engine.watcher.watch(self, ev._seq)
 
-    def _future(
-        self, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
-    ) -> asyncio.Future[Any] | None:
-        if not self._eager or ev._seq > self._marked:
-            self._need(ev)  # (after _poll, an eager stream has marked and counted ev)
-        return _engine.polled_future(self, ev, loop)
+    # The asyncio await (marker, brief inline spin, else the loop's reactor): the
+    # engine's function itself, so the await's hot path has one call fewer.
+    _future = _engine.polled_future
 
     def _block(self, ev: DeviceEvent) -> None:
         self._need(ev, eager=False)

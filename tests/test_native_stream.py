@@ -416,6 +416,26 @@ def test_a_raising_waiter_does_not_keep_later_events_from_retiring(
     assert first._done and second._done and not stream.s._inflight
 
 
+def test_a_waited_kernel_is_finished_in_c_and_its_waiters_woken_once(
+    stream: Stream, driver: Driver
+) -> None:
+    plan = stream.plan(ARGS, CODES)
+    ev = stream.launch(plan, ARGS)
+    assert ev is not None
+    seen: list[tuple[bool, object, object]] = []
+    ev._add_waiter(lambda e: seen.append((e._done, e._value, e._keep)))
+
+    def not_here(_: DeviceEvent) -> None:
+        raise AssertionError("a kernel's event is finished in C")
+
+    stream.s._finish_retired = not_here
+    stream.counter.value = 1
+    assert stream.s._retire() is True
+    assert seen == [(True, None, None)]  # done, no value, its arguments released
+    stream.s._retire()
+    assert len(seen) == 1
+
+
 def test_polling_an_unmarked_event_marks_it_and_retires_it_once_passed(
     stream: Stream, driver: Driver
 ) -> None:
