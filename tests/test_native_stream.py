@@ -232,6 +232,20 @@ def test_launches_of_two_functions_and_plans_in_turn_each_get_their_own(
     assert firsts == [a, b, a, b]
 
 
+def test_new_parameter_memory_for_a_plan_is_written_not_the_old(
+    stream: Stream, driver: Driver
+) -> None:
+    driver.nargs = 3
+    plan = stream.plan(ARGS, CODES)
+    assert stream.launch(plan, ARGS) is not None
+    old = stream.s._param_mem[plan]
+    new = stream.s._param_mem[plan] = cuda._ParamMemory(8 * len(ARGS))
+    other = (np.float32(-2.0), *ARGS[1:])
+    assert stream.launch(plan, other) is not None
+    assert bytes(new.data)[:4] == np.float32(-2.0).tobytes()
+    assert bytes(old.data)[:4] == np.float32(1.5).tobytes()  # left as the first launch wrote it
+
+
 class CoreBuf(_native.BufferCore):
     """A buffer whose fields live in C, as asyncgpu's own buffers' do."""
 
