@@ -2,10 +2,10 @@
 
 ``native`` is the module, or None: not built (asyncgpu then runs on Python and
 cuda.bindings alone), or ``ASYNCGPU_NATIVE=0`` in the environment when asyncgpu
-was imported. Events and polled streams keep their fields in its C types
-(``EventCore``, ``StreamCore``) when it is there; the CUDA backend also binds
-its driver calls (``_cuda._bind_native``), which it does only once a driver has
-initialised.
+was imported. Events, polled streams and buffers keep their fields in its C
+types (``EventCore``, ``StreamCore``, ``BufferCore``; ``c_base``) when it is
+there; the CUDA backend also binds its driver calls (``_cuda._bind_native``),
+which it does only once a driver has initialised.
 """
 
 from __future__ import annotations
@@ -25,3 +25,9 @@ def _load() -> Any:
 
 
 native: Any = _load()
+
+
+def c_base(name: str, fallback: type) -> type:
+    """The C type ``name`` of the extension that a class keeps its fields in, or
+    ``fallback`` (a Python class with the same fields) where it is not loaded."""
+    return fallback if native is None else getattr(native, name)

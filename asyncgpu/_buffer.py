@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._accel import native
+from ._accel import c_base
 from ._errors import ContextClosedError
 
 if TYPE_CHECKING:
@@ -98,10 +98,8 @@ class _BufferFields:
 # by reading these fields directly (``asyncgpu._native``, ``pack_one``).
 if TYPE_CHECKING:
     _BufferFieldsBase = _BufferFields
-elif native is not None:
-    _BufferFieldsBase = native.BufferCore
 else:
-    _BufferFieldsBase = _BufferFields
+    _BufferFieldsBase = c_base("BufferCore", _BufferFields)
 
 
 class _BufferBase(_BufferFieldsBase):

@@ -778,22 +778,6 @@ class DeviceContext:
         a Python int or float raises ``TypeError`` (give it a NumPy type). Returns at
         once; the event completes when the kernel has."""
         state = self._state
-        # The hot path: a compiled function of this context, integer geometry seen
-        # before, nothing else asked for. Everything else takes the general path.
-        if (
-            type(grid_dim) is int
-            and type(block_dim) is int
-            and cluster_dim is None
-            and shared_mem_bytes is None
-            and not attributes
-            and type(f) is DeviceFunction
-            and f._ctx._state is state
-            and not state.closed
-            and self._ref.open
-        ):
-            cfg = f._cfgs.get((grid_dim, block_dim, None, None))
-            if cfg is not None and state.trace is None:
-                return self._impl.launch(f, args, cfg, constant_memory)  # type: ignore[no-any-return]
         if state.closed or not self._ref.open:
             self._check_open()
         if type(f) is not DeviceFunction or f._ctx._state is not state:
@@ -807,10 +791,13 @@ class DeviceContext:
             and (cluster_dim is None or _int_dims(cluster_dim))
             and (shared_mem_bytes is None or type(shared_mem_bytes) is int)
         ):
-            key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes, *attributes)
-            try:
-                cfg = f._cfgs[key]
-            except KeyError:
+            # (without attributes, a plain tuple: the usual launch's hot path)
+            if attributes:
+                key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes, *attributes)
+            else:
+                key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes)
+            cfg = f._cfgs.get(key)
+            if cfg is None:
                 cfg = f._cfgs[key] = self._launch_config(
                     f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
                 )

@@ -60,8 +60,6 @@ WAKE_MAX = 256
 INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
 
 _monotonic = time.perf_counter
-_get_ident = threading.get_ident
-_new_waiter = object.__new__
 
 
 # -- the CPU thread pool ------------------------------------------------------------
@@ -126,12 +124,7 @@ class _Reactor:
         self.task: asyncio.Task[None] | None = None
 
     def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any] | None:
-        # _LoopWaiter(loop, self), without the call of its __init__ (a hot path)
-        w = _new_waiter(_LoopWaiter)
-        loop = w.loop = self.loop
-        fut = w.fut = loop.create_future()
-        w.thread = _get_ident()
-        w.reactor = self
+        w = _LoopWaiter(self.loop, self)
         if not ev._add_waiter(w):
             return None
         heap = self.pending.get(stream)
@@ -143,7 +136,7 @@ class _Reactor:
             self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
         elif self.park is not None:
             _set_future(self.park)  # parked on a timer: poll now instead
-        return fut
+        return w.fut
 
     def _poll_once(self) -> bool:
         moved = False

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
-from ._accel import native
+from ._accel import c_base
 from ._errors import AsyncGPUError
 
 if TYPE_CHECKING:
@@ -114,14 +114,24 @@ class _EventFields:
             return True
 
 
+def _wake_all(ev: DeviceEvent, waiters: list[Any]) -> None:
+    """Wake the waiters of a finished event: awaiting tasks first, then callbacks
+    (which may start the stream's next operation), so tasks wake in completion
+    order. It is ``DeviceEvent._wake_waiters``, which ``_finish`` calls."""
+    for w in waiters:
+        if type(w) is _LoopWaiter:
+            _wake(w, ev)
+    for w in waiters:
+        if type(w) is not _LoopWaiter:
+            w(ev)
+
+
 # The fields live in C where the extension is built: creating the event of an
 # operation is then one allocation, and the CUDA launch creates it without Python.
 if TYPE_CHECKING:
     _EventBase = _EventFields
-elif native is not None:
-    _EventBase = native.EventCore
 else:
-    _EventBase = _EventFields
+    _EventBase = c_base("EventCore", _EventFields)
 
 
 class DeviceEvent(_EventBase):
@@ -134,18 +144,7 @@ class DeviceEvent(_EventBase):
 
     __slots__ = ("__weakref__",)
 
-    def _wake_waiters(self, waiters: list[Any]) -> None:
-        """Wake the waiters of a finished event (``_finish`` calls this): awaiting
-        tasks first, then callbacks (which may start the stream's next operation),
-        so tasks wake in completion order."""
-        if len(waiters) == 1:
-            # The common case, inline: one task awaiting from the loop whose
-            # reactor noticed the completion (on that loop's thread).
-            w = waiters[0]
-            if type(w) is _LoopWaiter and w.reactor is not None and w.thread == _get_ident():
-                w.reactor.deferred.append(w.fut)
-                return
-        _wake_all(self, waiters)
+    _wake_waiters = _wake_all
 
     def _outcome(self) -> Any:
         if self._error is not None:
@@ -264,15 +263,6 @@ class _LoopWaiter:
 def _set_future(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def _wake_all(ev: DeviceEvent, waiters: list[Any]) -> None:
-    for w in waiters:
-        if type(w) is _LoopWaiter:
-            _wake(w, ev)
-    for w in waiters:
-        if type(w) is not _LoopWaiter:
-            w(ev)
 
 
 def _wake(waiter: Any, ev: DeviceEvent) -> None:

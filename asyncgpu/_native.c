@@ -120,6 +120,17 @@ static PyObject *write64(PyObject *self, PyObject *const *args, Py_ssize_t n) {
 
 static int is_none(PyObject *o);
 
+/* The dealloc of this module's C types (and of their Python subclasses, whose
+ * own fields Python has dropped by then): untrack, drop the C fields, free. */
+static void dealloc_core(PyObject *self, inquiry clear) {
+    PyTypeObject *tp = Py_TYPE(self);
+    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    PyObject_GC_UnTrack(self);
+    clear(self);
+    free_(self);
+    Py_DECREF(tp);
+}
+
 /* BufferCore: the fields of a device or host buffer that a launch reads (its
  * address, its allocation, its context), in C so that packing a buffer argument
  * reads them directly. asyncgpu._buffer._BufferBase subclasses it. */
@@ -153,14 +164,7 @@ static int buffer_clear(PyObject *self) {
     return 0;
 }
 
-static void buffer_dealloc(PyObject *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-    PyObject_GC_UnTrack(self);
-    buffer_clear(self);
-    free_(self);
-    Py_DECREF(tp);
-}
+static void buffer_dealloc(PyObject *self) { dealloc_core(self, buffer_clear); }
 
 static PyType_Slot buffer_slots[] = {
     {Py_tp_traverse, (void *)buffer_traverse},
@@ -177,11 +181,12 @@ static PyType_Spec buffer_spec = {
 };
 
 /* 1 if the buffer ``a`` may be used (it owns memory and its context is open),
- * 0 if not (the caller's general path raises the precise error), -1 on error. */
-static int usable(PyObject *a) {
+ * 0 if not (the caller's general path raises the precise error), -1 on error.
+ * core: ``a`` is a BufferCore (its fields are read directly). */
+static int usable(PyObject *a, int core) {
     PyObject *o, *ctx, *state, *closed;
     int rc;
-    if (PyObject_TypeCheck(a, buffer_core_type)) {
+    if (core) {
         BufferCore *b = (BufferCore *)a;
         if (is_none(b->alloc) || is_none(b->ctx))
             return 0;
@@ -220,10 +225,11 @@ static int pack_one(char code, PyObject *a, unsigned char *slot) {
     case A_PTR: {
         PyObject *p;
         unsigned long long v;
-        int rc = usable(a);
+        int core = PyObject_TypeCheck(a, buffer_core_type);
+        int rc = usable(a, core);
         if (rc <= 0)
             return rc < 0 ? -1 : 1;
-        if (PyObject_TypeCheck(a, buffer_core_type)) {
+        if (core) {
             memcpy(slot, &((BufferCore *)a)->ptr, 8);
             return 0;
         }
@@ -507,14 +513,7 @@ static int event_clear(PyObject *self) {
     return 0;
 }
 
-static void event_dealloc(PyObject *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-    PyObject_GC_UnTrack(self);
-    event_clear(self);
-    free_(self);
-    Py_DECREF(tp);
-}
+static void event_dealloc(PyObject *self) { dealloc_core(self, event_clear); }
 
 static PyObject *s_wake_waiters;
 
@@ -729,14 +728,7 @@ static int stream_clear(PyObject *self) {
     return 0;
 }
 
-static void stream_dealloc(PyObject *self) {
-    PyTypeObject *tp = Py_TYPE(self);
-    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-    PyObject_GC_UnTrack(self);
-    stream_clear(self);
-    free_(self);
-    Py_DECREF(tp);
-}
+static void stream_dealloc(PyObject *self) { dealloc_core(self, stream_clear); }
 
 static PyObject *stream_retire(PyObject *self, PyObject *unused);
 static PyObject *stream_poll(PyObject *self, PyObject *o);

@@ -26,7 +26,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from . import _engine
-from ._accel import native
+from ._accel import c_base, native
 from ._errors import DeviceError, DeviceFaultError
 from ._event import DeviceEvent, _loop_waiter
 
@@ -216,10 +216,8 @@ class _StreamFields:
 
 if TYPE_CHECKING:
     _StreamBase = _StreamFields
-elif native is not None:
-    _StreamBase = native.StreamCore
 else:
-    _StreamBase = _StreamFields
+    _StreamBase = c_base("StreamCore", _StreamFields)
 
 
 class _PolledStream(_StreamImpl, _StreamBase):
