@@ -54,6 +54,18 @@ enum {
     A_U64 = 'Q',
 };
 
+/* Python 3.12's and 3.13's headers define Py_RETURN_NONE/TRUE/FALSE without a new
+ * reference (those objects are immortal there) even for the limited API of 3.10,
+ * so an extension built with them would drop references to None, True and False
+ * on 3.10 and 3.11 (which abort with "deallocating True or False"). Ours always
+ * take the reference. */
+#undef Py_RETURN_NONE
+#undef Py_RETURN_TRUE
+#undef Py_RETURN_FALSE
+#define Py_RETURN_NONE return Py_NewRef(Py_None)
+#define Py_RETURN_TRUE return Py_NewRef(Py_True)
+#define Py_RETURN_FALSE return Py_NewRef(Py_False)
+
 #define MAX_ARGS 64
 #define MARKER_FAILED (1 << 20)
 
