@@ -30,7 +30,9 @@ await hangs after a fault.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import heapq
+import operator
 import os
 import threading
 import time
@@ -39,7 +41,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ._event import _LoopWaiter, _set_future
+from ._event import _set_future
 
 if TYPE_CHECKING:
     from ._event import DeviceEvent
@@ -60,6 +62,8 @@ WAKE_MAX = 256
 INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
 
 _monotonic = time.perf_counter
+_Future = asyncio.Future
+_first = operator.itemgetter(0)
 
 
 # -- the CPU thread pool ------------------------------------------------------------
@@ -93,13 +97,19 @@ def cpu_pool() -> ThreadPoolExecutor:
 
 
 class _Reactor:
-    """Polls the streams awaited from one asyncio loop."""
+    """Polls the streams awaited from one asyncio loop.
+
+    The reactor owns its awaits: ``pending`` maps each stream to its awaits, a
+    deque of ``(seq, event, future)`` in sequence order, and the reactor alone
+    completes those futures, once the event is done. No waiter is registered on
+    the event, so whichever thread finishes the work (this reactor's retire, the
+    watcher's sweep, another thread's ``synchronize``, a fault), the tasks wake
+    in the order the reactor pops them: the stream's completion order."""
 
     __slots__ = (
         "__weakref__",
         "batch",
         "deferred",
-        "kicked",
         "loop",
         "park",
         "pending",
@@ -110,7 +120,7 @@ class _Reactor:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.pending: dict[_PolledStream, list[int]] = {}
+        self.pending: dict[_PolledStream, deque[tuple[int, DeviceEvent, asyncio.Future[Any]]]] = {}
         self.park: asyncio.Future[Any] | None = None  # set while parked on a timer
         # Futures of finished events, completed ``batch`` per iteration so that a
         # burst of completions never makes one loop iteration long (loop lag).
@@ -118,76 +128,63 @@ class _Reactor:
         self.batch = WAKE_MIN
         self.woken = 0  # futures completed at ``woke_at``
         self.woke_at = 0.0
-        # True while a ``wake_deferred`` call from another thread is scheduled, so
-        # a burst of completions noticed off the loop schedules one, not one each.
-        self.kicked = False
         self.task: asyncio.Task[None] | None = None
 
-    def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any] | None:
-        w = _LoopWaiter(self.loop, self)
-        if not ev._add_waiter(w):
-            return None
-        heap = self.pending.get(stream)
-        if heap is None:
-            self.pending[stream] = [ev._seq]
-        else:
-            heapq.heappush(heap, ev._seq)
+    def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any]:
+        """A future that this reactor completes once ``ev`` is done (on the loop's
+        thread, the only one that calls it)."""
+        fut: asyncio.Future[Any] = _Future(loop=self.loop)
+        seq = ev._seq
+        awaits = self.pending.get(stream)
+        if awaits is None:
+            self.pending[stream] = deque(((seq, ev, fut),))
+        elif awaits[-1][0] <= seq:
+            awaits.append((seq, ev, fut))
+        else:  # an earlier operation awaited after a later one: keep the order
+            awaits.insert(bisect.bisect_right(awaits, seq, key=_first), (seq, ev, fut))
         if self.task is None:
             self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
         elif self.park is not None:
             _set_future(self.park)  # parked on a timer: poll now instead
-        return w.fut
+        return fut
 
     def _poll_once(self) -> bool:
+        """Retire every stream whose counter passed its first await, and queue the
+        futures of the awaits whose events are done, in order. An event can be
+        done with the counter short of it (a fault failed it, its stream
+        closed), or past it and not yet done (another thread's retire took it
+        and is finishing it): only ``_done`` says the outcome is there."""
         moved = False
         pending = self.pending
-        for stream, heap in list(pending.items()):
-            c = stream._completed()
-            if heap[0] <= c:
+        deferred = self.deferred
+        for stream, awaits in list(pending.items()):
+            seq, ev, fut = awaits[0]
+            if not ev._done:
+                if stream._completed() < seq:
+                    continue
                 stream._retire()
-                while heap and heap[0] <= c:
-                    heapq.heappop(heap)
-                if not heap:
+                if not ev._done:
+                    continue
+            while True:
+                deferred.append(fut)
+                awaits.popleft()
+                if not awaits:
                     del pending[stream]
-                moved = True
+                    break
+                seq, ev, fut = awaits[0]
+                if not ev._done:
+                    break
+            moved = True
         return moved
 
     def _check_faults(self) -> None:
-        """Ask the driver whether a stream with pending awaits has faulted; a faulted
-        stream's events have been failed (and their waiters woken), so its entry
-        goes. Work that finished meanwhile is left to ``_poll_once``, which retires
-        it: dropping the entry here would leave its awaiters asleep (the H200 hung
-        ``test_every_enqueue_returns_an_awaitable_event[cuda]`` so, 2026-12-04)."""
+        """Ask the driver whether a stream with pending awaits has faulted. A
+        faulted stream's events have been failed; the next ``_poll_once`` wakes
+        their awaiters (work that finished meanwhile is retired there too: the
+        H200 hung ``test_every_enqueue_returns_an_awaitable_event[cuda]`` on
+        2026-12-04 when this dropped a stream without retiring it)."""
         for stream in list(self.pending):
             stream._check_fault()
-            if stream._fault is not None and stream in self.pending:
-                del self.pending[stream]
-
-    def wake_deferred(self) -> None:
-        """On the loop (scheduled once by another thread's wake-ups, see
-        ``kick``): have the reactor complete the queued futures, in order, from
-        its next step on."""
-        self.kicked = False
-        if self.deferred:
-            if self.task is None:
-                self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
-            elif self.park is not None:
-                _set_future(self.park)
-
-    def kick(self, fut: asyncio.Future[Any]) -> None:
-        """From another thread: queue ``fut`` to complete in order on the loop.
-
-        Under the GIL the flag cannot lose a wake-up: ``fut`` is queued before the
-        flag is read, and ``wake_deferred`` clears the flag before it reads the
-        queue. Raises RuntimeError if the loop is closed."""
-        self.deferred.append(fut)
-        if not self.kicked:
-            self.kicked = True
-            try:
-                self.loop.call_soon_threadsafe(self.wake_deferred)
-            except RuntimeError:
-                self.kicked = False
-                raise
 
     def _wake_some(self) -> None:
         """Complete the next batch of queued futures. Called once per reactor
@@ -229,7 +226,7 @@ class _Reactor:
                 if now - checked >= FAULT_CHECK_S:
                     checked = now
                     self._check_faults()
-                    if self._poll_once():  # finished while the driver was asked
+                    if self._poll_once():  # failed, or finished while the driver was asked
                         last = _monotonic()
                         await sleep(0)
                         continue

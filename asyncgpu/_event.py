@@ -248,16 +248,15 @@ def _new_lock(ev: _EventFields) -> threading.Lock:
 
 
 class _LoopWaiter:
-    """An asyncio future, the thread that runs its loop, and (for polled streams)
-    the loop's reactor, which paces the wake-ups it causes."""
+    """An asyncio future and the thread that runs its loop (the await of a
+    push-completed event; polled streams' awaits are the reactor's own)."""
 
-    __slots__ = ("fut", "loop", "reactor", "thread")
+    __slots__ = ("fut", "loop", "thread")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, reactor: Any = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.fut = loop.create_future()
         self.thread = _get_ident()
-        self.reactor = reactor
 
 
 def _set_future(fut: asyncio.Future[Any]) -> None:
@@ -268,23 +267,10 @@ def _set_future(fut: asyncio.Future[Any]) -> None:
 def _wake(waiter: Any, ev: DeviceEvent) -> None:
     if type(waiter) is _LoopWaiter:
         if waiter.thread == _get_ident():
-            reactor = waiter.reactor
-            if reactor is None:
-                _set_future(waiter.fut)
-            else:
-                reactor.deferred.append(waiter.fut)
+            _set_future(waiter.fut)
         else:
-            reactor = waiter.reactor
-            try:
-                if reactor is None:
-                    waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
-                else:
-                    # Through the reactor's queue, like wake-ups on the loop's own
-                    # thread, so that tasks wake in completion order whichever
-                    # thread noticed the completion (the watcher, a pool thread).
-                    reactor.kick(waiter.fut)
-            except RuntimeError:
-                pass  # the loop is closed: nobody is left to wake
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to wake
+                waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
     else:
         waiter(ev)
 

@@ -123,8 +123,8 @@ def _dump_engine_state(test: str) -> None:
     for loop, r in list(_engine._reactors.items()):
         print(
             f"reactor {id(loop):#x} closed={loop.is_closed()} task={r.task is not None} "
-            f"park={r.park is not None} kicked={r.kicked} deferred={len(r.deferred)} "
-            f"pending={ {s.label: h[:4] for s, h in r.pending.items()} }",
+            f"park={r.park is not None} deferred={len(r.deferred)} "
+            f"pending={ {s.label: [a[0] for a in list(q)[:4]] for s, q in r.pending.items()} }",
             file=out,
         )
     w = _engine.watcher

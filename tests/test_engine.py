@@ -1,11 +1,12 @@
 """The completion engine's wake-up order, on any machine.
 
-An asyncio loop's reactor completes the futures of finished GPU work from one
-queue. Completions may be noticed on the loop's thread (the reactor) or on
-another thread (the watcher, a pool thread finishing CPU work); either way the
-awaiting tasks must wake in the order the work finished. The H200 run of
-2026-12-02 showed a task woken early when another thread's wake-up bypassed the
-queue (``test_awaits_resolve_in_submission_order[cuda]``).
+An asyncio loop's reactor owns the awaits of GPU work on that loop and completes
+their futures itself, in each stream's completion order. The work may be
+finished on the loop's thread (the reactor's retire) or on another thread (the
+watcher, a blocking wait, a fault); either way the awaiting tasks wake in the
+order the work finished. The H200 run of 2026-12-02 showed a task woken early
+when another thread's wake-up bypassed the reactor's queue
+(``test_awaits_resolve_in_submission_order[cuda]``).
 """
 
 from __future__ import annotations
@@ -14,29 +15,51 @@ import asyncio
 import threading
 
 import pytest
+from test_markers import RecordingStream
 
+from asyncgpu import DeviceFaultError, _engine
 from asyncgpu._engine import reactor_for
-from asyncgpu._event import _LoopWaiter, _wake
 
 
 @pytest.mark.asyncio
-async def test_wakeups_from_other_threads_keep_completion_order() -> None:
+async def test_awaits_wake_in_completion_order_whichever_thread_finishes_the_work(
+    monkeypatch,
+) -> None:
+    """Six operations awaited out of order by six tasks; another thread retires
+    the first three, the reactor the last three. The tasks wake in completion
+    order, and the other thread schedules nothing on the loop: the reactor alone
+    completes its futures (the H200 run of 2026-12-02 woke a task early when
+    another thread's wake-up bypassed the reactor's queue)."""
     loop = asyncio.get_running_loop()
-    reactor = reactor_for(loop)
-    waiters = [_LoopWaiter(loop, reactor) for _ in range(6)]
+    scheduled: list[object] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(cb, *args, **kwargs):  # type: ignore[no-untyped-def]
+        scheduled.append(cb)
+        return real(cb, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    s = RecordingStream()
+    evs = [s.submit() for _ in range(6)]
     woke: list[int] = []
-    for i, w in enumerate(waiters):
-        w.fut.add_done_callback(lambda _f, i=i: woke.append(i))
 
-    _wake(waiters[0], None)  # noticed by the reactor, on the loop's thread
-    _wake(waiters[1], None)
-    other = threading.Thread(target=lambda: [_wake(w, None) for w in waiters[2:5]])
-    other.start()  # noticed by another thread
+    async def wait(i: int) -> None:
+        await evs[i]
+        woke.append(i)
+
+    tasks = [asyncio.create_task(wait(i)) for i in (5, 3, 0, 4, 1, 2)]
+    await asyncio.sleep(0)  # each task has run its first step: all six are awaiting
+    assert [seq for seq, _, _ in reactor_for(loop).pending[s]] == [1, 2, 3, 4, 5, 6]
+
+    s.done = 3  # the device passes the third operation
+    other = threading.Thread(target=s._retire)  # and another thread notices
+    other.start()
     other.join()
-    _wake(waiters[5], None)  # and by the reactor again
-
-    await asyncio.wait_for(asyncio.gather(*(w.fut for w in waiters)), 10)
-    assert woke == list(range(6))
+    assert all(ev._done for ev in evs[:3]) and not woke
+    s.done = 6  # the rest is the reactor's to notice
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert woke == [0, 1, 2, 3, 4, 5]
+    assert scheduled == []
 
 
 def test_the_watcher_runs_callbacks_of_polled_work_once_it_finishes() -> None:
@@ -64,26 +87,48 @@ def test_the_watcher_runs_callbacks_of_polled_work_once_it_finishes() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_burst_from_another_thread_schedules_one_wake_up_call() -> None:
+async def test_an_await_wakes_only_once_its_event_is_done_not_when_the_counter_passes_it() -> None:
+    """Another thread's retire may have taken the event off the stream and not
+    yet finished it: the counter has passed it, its value is not there yet. The
+    reactor wakes the awaiter only once the event is done."""
+
+    class RetiredElsewhere(RecordingStream):
+        taken = True  # another thread's retire holds the event
+
+        def _retire(self) -> bool:
+            return False if self.taken else super()._retire()
+
     loop = asyncio.get_running_loop()
-    reactor = reactor_for(loop)
-    waiters = [_LoopWaiter(loop, reactor) for _ in range(50)]
-    scheduled = []
-    real = loop.call_soon_threadsafe
+    reactor = _engine._Reactor(loop)
+    s = RetiredElsewhere()
+    ev = s.submit()
+    fut = reactor.add(s, ev)
+    s.done = 1
+    assert not reactor._poll_once() and not reactor.deferred
+    s.taken = False  # the other thread finishes it
+    assert reactor._poll_once() and list(reactor.deferred) == [fut] and ev._done
+    await asyncio.wait_for(fut, 10)
+    assert not reactor.pending
 
-    def counting(cb, *args):
-        scheduled.append(cb)
-        return real(cb, *args)
 
-    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
-    try:
-        other = threading.Thread(target=lambda: [_wake(w, None) for w in waiters])
-        other.start()
-        other.join()
-    finally:
-        del loop.call_soon_threadsafe
-    assert len(scheduled) == 1
-    await asyncio.wait_for(asyncio.gather(*(w.fut for w in waiters)), 10)
+@pytest.mark.asyncio
+async def test_an_event_failed_short_of_the_counter_wakes_its_awaiter_with_the_error() -> None:
+    """A fault fails every pending event of its context though the device never
+    wrote their markers: the await raises the error, it does not wait for a
+    counter that will not move."""
+    s = RecordingStream()
+    ev = s.submit()
+    waiting = asyncio.ensure_future(_await(ev))
+    await asyncio.sleep(0)  # the task is awaiting the event through the reactor
+    assert not waiting.done()
+    s._fail(RuntimeError("the device faulted"))  # what a sticky fault does
+    with pytest.raises(DeviceFaultError, match="the device faulted"):
+        await asyncio.wait_for(waiting, 10)
+    assert s.done == 0
+
+
+async def _await(ev: object) -> object:
+    return await ev  # type: ignore[misc]
 
 
 class _Clock:
@@ -101,8 +146,6 @@ async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
     """One reactor step per loop iteration: the batch follows the time the tasks
     woken in the iteration before took, 100 us each gives the minimum, 1 us each
     the maximum."""
-    from asyncgpu import _engine
-
     clock = _Clock()
     monkeypatch.setattr(_engine, "_monotonic", clock)
     loop = asyncio.get_running_loop()
