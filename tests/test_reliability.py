@@ -27,7 +27,7 @@ import pytest
 import trio
 from _kernels import ADD_ONE, TIMEOUT_S, Gate, blocks_for, poison, random_array
 
-from asyncgpu import ContextClosedError, DeviceContext, DeviceEvent
+from asyncgpu import ContextClosedError, DeviceContext, DeviceEvent, _engine
 from asyncgpu._engine import pool_size
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -400,13 +400,12 @@ async def _cancel_round(c: DeviceContext, streams: int) -> tuple[int, int]:
     assert all(isinstance(r, asyncio.CancelledError) for r in results)
     # Mid-flight: nothing has run, and every waiter the tasks left is cancelled.
     assert not any(ev.query() for ev in events), "an operation ran before the gate opened"
-    seen = 0
-    for ev in events:
-        for w in ev._waiters or ():
-            fut = getattr(w, "fut", None)
-            if fut is not None:
-                seen += 1
-                assert fut.cancelled(), f"a live waiter on {ev!r} after its task was cancelled"
+    # (An await of CUDA work leaves its future with the loop's reactor, not on
+    # the event.)
+    waiters = _awaiting_futures(events)
+    for ev, fut in waiters:
+        assert fut.cancelled(), f"a live waiter on {ev!r} after its task was cancelled"
+    seen = len(waiters)
     g.open()
     for v in views:
         await asyncio.wait_for(v, TIMEOUT_S)
@@ -414,6 +413,10 @@ async def _cancel_round(c: DeviceContext, streams: int) -> tuple[int, int]:
         value = await ev
         assert value == (i * 3 if i % 4 == 0 else None)
         assert ev._waiters is None, f"{ev!r} kept its waiters after completing"
+    reactor = _engine._reactors.get(asyncio.get_running_loop())
+    if reactor is not None:
+        reactor._poll_once()  # one reactor pass: the awaits of finished work leave it
+    assert not _awaiting_futures(events), "the reactor kept awaits of finished work"
     got = np.empty(8 * TASKS, np.int32)
     await c.enqueue_copy(got, slots)
     got = got.reshape(TASKS, 8)
@@ -421,6 +424,17 @@ async def _cancel_round(c: DeviceContext, streams: int) -> tuple[int, int]:
     np.testing.assert_array_equal(got[i % 4 == 1], np.repeat(i[i % 4 == 1], 8).reshape(-1, 8))
     np.testing.assert_array_equal(got[i % 4 == 2], np.repeat(-i[i % 4 == 2], 8).reshape(-1, 8))
     return TASKS, seen
+
+
+def _awaiting_futures(events: list[DeviceEvent]) -> list[tuple[DeviceEvent, asyncio.Future]]:
+    """The futures of asyncio awaits of ``events``: on the events' waiter lists
+    (push-completed work) or in the running loop's reactor (polled work)."""
+    found = [(ev, w.fut) for ev in events for w in ev._waiters or () if getattr(w, "fut", None)]
+    reactor = _engine._reactors.get(asyncio.get_running_loop())
+    if reactor is not None:
+        mine = {id(ev) for ev in events}
+        found += [(ev, f) for q in reactor.pending.values() for _, ev, f in q if id(ev) in mine]
+    return found
 
 
 def _live(kind: type) -> int:
