@@ -965,6 +965,16 @@ class CudaStream(_PolledStream):
             ev._done = False
             self._inflight.append(ev)
 
+    device_clock = True
+
+    def trace_stamp(self) -> Any:
+        """A timing event recorded here (``cuEventRecord``, in stream order, held
+        or not): where the device was when the operation just enqueued ended.
+        Read back with ``CudaBackend.stamp_ns``; never blocks."""
+        e = self.backend.new_stamp()
+        self.record_raw(e)
+        return e
+
     def record_raw(self, e: Any) -> None:
         """``cuEventRecord`` of a driver event here, in stream order (held or not)."""
         with self._submit_lock:
@@ -1267,6 +1277,8 @@ class CudaBackend:
         self.make_current()
         _backends.add(self)
         self._attr_cache: dict[int, int] = {}
+        self._free_stamps: list[Any] = []  # timing events tracing has read back
+        self._clock_stream: Any = None  # where tracing maps the device's clock
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self._info: GPUInfo | None = None
         cc = (
@@ -1897,11 +1909,64 @@ class CudaBackend:
         s._retire()
         return round(ms * 1e6)
 
+    # -- device timestamps for tracing ----------------------------------------------------
+
+    def new_stamp(self) -> Any:
+        """A timing event for ``CudaStream.trace_stamp`` (``cuEventCreate``, or one
+        the trace has read back already)."""
+        free = self._free_stamps
+        if free:
+            return free.pop()
+        self.make_current()
+        return _check(cu.cuEventCreate(0), "cuEventCreate")
+
+    def trace_clock(self) -> tuple[Any, int]:
+        """The origin that maps this device's timestamps to the host's
+        ``perf_counter_ns``: a timing event recorded on a stream of its own that
+        nothing else uses (not the default stream, which other libraries' work
+        may occupy) and waited for (``cuEventSynchronize``, some microseconds),
+        with the host time halfway through that wait."""
+        self.make_current()
+        if self._clock_stream is None:
+            self._clock_stream = _check(
+                cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"
+            )
+        e = _check(cu.cuEventCreate(0), "cuEventCreate")
+        t0 = time.perf_counter_ns()
+        _check(cu.cuEventRecord(e, self._clock_stream), "cuEventRecord")
+        _check(cu.cuEventSynchronize(e), "cuEventSynchronize")
+        return e, (t0 + time.perf_counter_ns()) // 2
+
+    def stamp_ns(self, origin: Any, stamp: Any) -> int | None:
+        """Nanoseconds from ``origin`` to ``stamp`` (``cuEventElapsedTime``, about
+        0.5 µs resolution), or None while the device has not passed ``stamp``.
+        Never blocks. Once read, ``stamp`` goes back to this device's free list."""
+        err, ms = cu.cuEventElapsedTime(origin, stamp)
+        if err != _SUCCESS:
+            return None
+        self.drop_stamp(stamp)
+        return round(float(ms) * 1e6)
+
+    def drop_stamp(self, stamp: Any) -> None:
+        """A stamp tracing no longer reads: back to the free list (up to 1024),
+        else ``cuEventDestroy`` (which the driver defers while the stream has
+        not reached it)."""
+        if len(self._free_stamps) < 1024:
+            self._free_stamps.append(stamp)
+        else:
+            cu.cuEventDestroy(stamp)
+
     def close(self) -> None:
         # The primary context stays retained for the process: other contexts of the
         # same device share it, and buffers dropped later still go back to the pool
-        # (on the device's default stream once their own stream is gone).
-        pass
+        # (on the device's default stream once their own stream is gone). Tracing's
+        # clock stream and its spare timing events go.
+        if self._clock_stream is not None:
+            self.make_current()
+            cu.cuStreamDestroy(self._clock_stream)
+            self._clock_stream = None
+        while self._free_stamps:
+            cu.cuEventDestroy(self._free_stamps.pop())
 
 
 def _join_options(*parts: Any) -> list[str]:

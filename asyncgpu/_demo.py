@@ -30,6 +30,7 @@ import numpy as np
 
 from ._context import DeviceContext
 from ._function import Kernel, ThreadBlock
+from ._trace_export import _span_ns
 
 __all__ = ["SAXPY", "DemoError", "DemoResult", "run_demo"]
 
@@ -197,8 +198,7 @@ async def run_demo(
             node = trace.node_of(ev)
             if node is None:
                 return
-            start = node.start_ns if node.start_ns is not None else node.submit_ns
-            end = node.end_ns if node.end_ns is not None else start
+            start, end = _span_ns(node)  # the device's times where it measured them
             label = node.label
             if node.kind == "wait":
                 others = [

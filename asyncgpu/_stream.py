@@ -78,12 +78,19 @@ class _StreamImpl:
 
     label: str = "stream"
     priority: int = 0
+    device_clock = False  # trace_stamp gives device timestamps (CUDA)
 
     def __init__(self, state: _ContextState, index: int, priority: int) -> None:
         self.state = state
         self.index = index
         self.priority = priority
         self.label = f"{state.api}:{state.device_id}/s{index}"
+
+    def trace_stamp(self) -> Any:
+        """For tracing, where ``device_clock``: a device timestamp placed in stream
+        order after the operation just enqueued (the CPU device has no clock of
+        its own: its operations' host times are exact)."""
+        raise NotImplementedError
 
     # -- submission (backends implement) ---------------------------------------------
 

@@ -104,6 +104,10 @@ def _lane_ids(streams: list[str]) -> dict[str, tuple[int, int]]:
 
 
 def _span_ns(node: Any) -> tuple[int, int]:
+    """The operation's span: the device's times where it measured them (CUDA),
+    else the host's."""
+    if node.device_end_ns is not None and node.device_start_ns is not None:
+        return node.device_start_ns, max(node.device_end_ns, node.device_start_ns)
     start = node.start_ns if node.start_ns is not None else node.submit_ns
     end = node.end_ns if node.end_ns is not None else start
     return start, max(end, start)
@@ -112,6 +116,7 @@ def _span_ns(node: Any) -> tuple[int, int]:
 def chrome_trace_dict(trace: Trace) -> dict[str, Any]:
     """The Chrome/Perfetto JSON object for ``trace`` (what ``write_chrome_trace``
     writes)."""
+    trace.device_times()
     with trace._lock:
         nodes = list(trace.nodes.values())
         edges = list(trace.edges)
@@ -292,6 +297,7 @@ class Timeline:
 
 
 def _timeline_from_trace(trace: Trace) -> Timeline:
+    trace.device_times()
     with trace._lock:
         nodes = list(trace.nodes.values())
         edges = list(trace.edges)

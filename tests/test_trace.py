@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from _kernels import ADD_ONE, random_array
+from test_markers import RecordingStream
 
-from asyncgpu import DeviceContext, Trace, TraceEdge, TraceNode
+from asyncgpu import (
+    DeviceContext,
+    DeviceEvent,
+    Trace,
+    TraceEdge,
+    TraceNode,
+    _trace_export,
+)
 
 
 def test_trace_records_nodes_and_stream_edges(ctx: DeviceContext, rng: np.random.Generator) -> None:
@@ -140,3 +151,109 @@ def test_trace_with_a_path_writes_chrome_json(ctx: DeviceContext, tmp_path: Path
     doc = json.loads(path.read_text())
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
     assert any(e.get("ph") == "X" for e in events)
+
+
+# -- device timestamps (CUDA), and what tracing asks of a stream ------------------------
+
+
+class _DeviceClock:
+    """A device clock the test moves: a stamp reads back once the device passed it."""
+
+    def __init__(self) -> None:
+        self.origin_ns = time.perf_counter_ns()
+        self.passed: dict[object, int] = {}  # stamp -> ns after the origin
+
+    def trace_clock(self) -> tuple[object, int]:
+        return "origin", self.origin_ns
+
+    def stamp_ns(self, origin: object, stamp: object) -> int | None:
+        assert origin == "origin"
+        return self.passed.get(stamp)
+
+
+class _ClockedStream:
+    """What ``Trace.record`` reads of a stream whose device keeps a clock."""
+
+    device_clock = True
+
+    def __init__(self, label: str, clock: _DeviceClock) -> None:
+        self.label, self.backend, self.stamps = label, clock, 0
+
+    def trace_stamp(self) -> object:
+        self.stamps += 1
+        return (self.label, self.stamps)
+
+
+def test_device_times_are_read_back_as_the_device_passes_each_stamp() -> None:
+    clock = _DeviceClock()
+    s = _ClockedStream("gpu:0/s0", clock)
+    t = Trace()
+    first, second = DeviceEvent(None, 1), DeviceEvent(None, 2)
+    a = t.record(s, first, "kernel")
+    b = t.record(s, second, "kernel")
+    assert s.stamps == 2 and a.device_end_ns is None
+
+    clock.passed[("gpu:0/s0", 1)] = 10_000_000  # the device ends the first kernel
+    t.device_times()
+    assert a.device_end_ns == clock.origin_ns + 10_000_000
+    assert a.device_start_ns == a.submit_ns  # nothing before it: it started when submitted
+    assert b.device_end_ns is None  # not passed yet: read later, never waited for
+
+    clock.passed[("gpu:0/s0", 2)] = 25_000_000
+    assert t.node_of(second) is b  # reading the trace reads the stamps
+    assert b.device_end_ns == clock.origin_ns + 25_000_000
+    assert b.device_start_ns == a.device_end_ns  # it started when the one before it ended
+    assert _trace_export._span_ns(b) == (b.device_start_ns, b.device_end_ns)
+
+
+def test_tracing_places_no_marker_and_watches_nothing() -> None:
+    """Tracing only listens: a traced operation of a polled stream gets no marker
+    and no watch of its own (a done-callback per operation cost a traced launch
+    about 5x an untraced one on the H200); its end is noticed with the work."""
+    s = RecordingStream()
+    t = Trace()
+    ev = s.submit()
+    node = t.record(s, ev, "kernel")
+    assert s.markers == [] and not s._eager
+    assert node.end_ns is None
+    s.finish_all()  # what an await or a synchronize does
+    assert node.end_ns is not None and node.submit_ns <= node.end_ns
+
+
+def test_cuda_device_times_measure_the_kernels(api: str) -> None:
+    """On the GPU: two 2 ms kernels back to back on one stream and one on another;
+    the device times show each kernel's length and the first two in order."""
+    if api != "cuda":
+        pytest.skip("device timestamps are CUDA's")
+    spin = r"""extern "C" __global__ void spin(long long c) {
+        long long t = clock64(); while (clock64() - t < c) {} }"""
+    with DeviceContext(api="cuda") as c:
+        f = c.compile_function(spin, "spin")
+        cycles = np.int64(c.default_device_info.clock_rate_khz * 2)  # 2 ms at full clock
+        s1 = c.select_stream(1)
+        with c.trace() as t:
+            one = c.enqueue_function(f, cycles, grid_dim=1, block_dim=1)
+            two = c.enqueue_function(f, cycles, grid_dim=1, block_dim=1)
+            other = s1.enqueue_function(f, cycles, grid_dim=1, block_dim=1)
+            c.synchronize()
+        a, b, o = (t.node_of(e) for e in (one, two, other))
+    for n in (a, b, o):
+        assert n.device_start_ns is not None and n.device_end_ns is not None
+        assert n.device_end_ns - n.device_start_ns >= 1_000_000  # at least 1 of its 2 ms
+        assert n.end_ns is not None and n.device_end_ns <= n.end_ns + 100_000
+    assert b.device_start_ns == a.device_end_ns and b.device_end_ns > a.device_end_ns
+
+
+def test_a_dropped_trace_gives_back_the_stamps_nobody_read() -> None:
+    dropped: list[object] = []
+    clock = _DeviceClock()
+    clock.drop_stamp = dropped.append  # type: ignore[attr-defined]
+    s = _ClockedStream("gpu:0/s0", clock)
+    t = Trace()
+    for i in range(3):
+        t.record(s, DeviceEvent(None, i + 1), "kernel")
+    clock.passed[("gpu:0/s0", 1)] = 1_000
+    t.device_times()  # the first is read back (the backend recycles it itself)
+    del t
+    gc.collect()
+    assert dropped == [("gpu:0/s0", 2), ("gpu:0/s0", 3)]
