@@ -937,11 +937,17 @@ class CudaStream(_PolledStream):
         backend = self.backend
         to_device = src._kind == "pageable"
 
+        kit = backend.stage_kit(nbytes)  # (here: see stage_kit)
+
         def work() -> None:
             backend.make_current()
-            backend.staged_copy(dst, src, nbytes, to_device)
+            backend.staged_copy(dst, src, nbytes, to_device, kit)
 
-        return self._host_op(_in_pool_value(work), keep)
+        try:
+            return self._host_op(_in_pool_value(work), keep)
+        except BaseException:
+            backend.return_kit(kit)
+            raise
 
     # -- user events, sync, faults -----------------------------------------------------------
 
@@ -1279,6 +1285,7 @@ class CudaBackend:
         self._attr_cache: dict[int, int] = {}
         self._free_stamps: list[Any] = []  # timing events tracing has read back
         self._clock_stream: Any = None  # where tracing maps the device's clock
+        self._stage_kits: list[tuple[Any, list[Any]]] = []  # staged copies' streams, events
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self._info: GPUInfo | None = None
         cc = (
@@ -1625,17 +1632,56 @@ class CudaBackend:
     def pointer_host_view(self, ptr: int, nbytes: int) -> np.ndarray | None:
         return None
 
-    def staged_copy(self, dst: Any, src: Any, nbytes: int, to_device: bool) -> None:
-        """Copy between pageable host memory and device memory through pinned chunks
-        (runs on a pool thread; blocks that thread only)."""
-        stage_stream = _stage_stream(self)
+    def stage_kit(self, nbytes: int) -> tuple[Any, list[Any], list[Any], int]:
+        """What a staged copy of ``nbytes`` needs from the driver: a stream and
+        events of its own (``cuStreamCreate``, ``cuEventCreate``; kept for the next
+        copy) and pinned chunks (from ``_pinned``). Made on the enqueuing thread,
+        before the copy's stream may wait on the host: while a stream waits on host
+        memory (a wrapped stream's ``cuStreamWaitValue64``) the driver may hold
+        such calls in other threads until the wait ends, which would then be
+        never (the H200 hung ``test_external_cupy_stream[cuda]`` so, 2026-12-04,
+        in a pool thread's ``cuStreamCreate``). Give it back with ``return_kit``."""
         chunk = min(_STAGE_CHUNK, nbytes)
         nslots = min(_STAGE_SLOTS, (nbytes + chunk - 1) // chunk)
-        slots = [_pinned.take(chunk) for _ in range(nslots)]
-        events = [
-            _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-            for _ in range(nslots)
-        ]
+        self.make_current()
+        try:
+            stream, events = self._stage_kits.pop()
+        except IndexError:
+            stream = _check(
+                cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"
+            )
+            events = [
+                _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                for _ in range(_STAGE_SLOTS)
+            ]
+        slots = []
+        try:
+            for _ in range(nslots):
+                slots.append(_pinned.take(chunk))
+        except BaseException:
+            self.return_kit((stream, events, slots, chunk))
+            raise
+        return stream, events, slots, chunk
+
+    def return_kit(self, kit: tuple[Any, list[Any], list[Any], int]) -> None:
+        stream, events, slots, _ = kit
+        for block in slots:
+            _pinned.give(block)
+        self._stage_kits.append((stream, events))
+
+    def staged_copy(
+        self,
+        dst: Any,
+        src: Any,
+        nbytes: int,
+        to_device: bool,
+        kit: tuple[Any, list[Any], list[Any], int],
+    ) -> None:
+        """Copy between pageable host memory and device memory through the pinned
+        chunks of ``kit`` (``stage_kit``; runs on a pool thread and blocks that
+        thread only; gives the kit back)."""
+        stage_stream, events, slots, chunk = kit
+        nslots = len(slots)
         try:
             host = src._hostbytes if to_device else dst._hostbytes
             pending: list[tuple[int, int, int] | None] = [None] * nslots
@@ -1676,10 +1722,7 @@ class CudaBackend:
                     _host_copy(host[p_off : p_off + p_n], slots[slot].view[:p_n])
                 pending[slot] = None
         finally:
-            for e in events:
-                cu.cuEventDestroy(e)
-            for block in slots:
-                _pinned.give(block)
+            self.return_kit(kit)
 
     def init_user_event(
         self, ev: DeviceEvent, blocking_sync: bool, disable_timing: bool, interprocess: bool
@@ -1967,6 +2010,11 @@ class CudaBackend:
             self._clock_stream = None
         while self._free_stamps:
             cu.cuEventDestroy(self._free_stamps.pop())
+        while self._stage_kits:
+            stream, events = self._stage_kits.pop()
+            for e in events:
+                cu.cuEventDestroy(e)
+            cu.cuStreamDestroy(stream)
 
 
 def _join_options(*parts: Any) -> list[str]:
@@ -2116,12 +2164,3 @@ def _host_copy(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst[: bounds[1]], src[: bounds[1]])
     for f in futures:
         f.result()
-
-
-def _stage_stream(backend: CudaBackend) -> Any:
-    s = getattr(_tls, "stage", None)
-    if s is None or getattr(_tls, "stage_ctx", None) is not backend.ctx:
-        s = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        _tls.stage = s
-        _tls.stage_ctx = backend.ctx
-    return s

@@ -133,12 +133,31 @@ class Trace:
             return
         end = time.perf_counter_ns()
         with self._lock:
-            node.end_ns = end
-            ready = [self.nodes[d].end_ns for d in node.deps]
-            ends = [e for e in ready if e is not None]
-            node.start_ns = max([node.submit_ns, *ends]) if ends else node.submit_ns
+            self._noticed(node, end)
             if ev._error is not None:
                 node.error = f"{type(ev._error).__name__}: {ev._error}"
+
+    def _noticed(self, node: TraceNode, now: int) -> None:
+        """Under ``_lock``: ``node`` is seen finished at ``now``, and so is every
+        operation it depends on that nobody has seen finish yet (completions are
+        noticed in no particular order across streams, and a node's start must not
+        come before the end of what it waited for). Each gets its end, then its
+        start: the later of its submission and its dependencies' ends."""
+        nodes = self.nodes
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if n.end_ns is not None:
+                stack.pop()
+                continue
+            todo = [nodes[d] for d in n.deps if nodes[d].end_ns is None]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            n.end_ns = end = max(now, n.submit_ns)
+            ends = [nodes[d].end_ns for d in n.deps]
+            n.start_ns = min(end, max([n.submit_ns, *(e for e in ends if e is not None)]))
 
     def device_times(self) -> None:
         """Fill ``device_start_ns`` / ``device_end_ns`` of every node whose end the

@@ -257,3 +257,22 @@ def test_a_dropped_trace_gives_back_the_stamps_nobody_read() -> None:
     del t
     gc.collect()
     assert dropped == [("gpu:0/s0", 2), ("gpu:0/s0", 3)]
+
+
+def test_a_completion_noticed_first_ends_what_it_waited_for_no_later() -> None:
+    """Completions are noticed in no set order across streams: when an operation
+    is seen finished before one it waited for, that one ended no later, and the
+    trace says so (before, the waited-for one got the later end and the graph
+    showed an edge running backwards; the dag example caught it on the H200)."""
+    a_stream, b_stream = RecordingStream(), RecordingStream()
+    a_stream.label, b_stream.label = "gpu:0/s1", "gpu:0/s2"
+    t = Trace()
+    first, second = a_stream.submit(), b_stream.submit()
+    a = t.record(a_stream, first, "kernel")
+    b = t.record(b_stream, second, "wait", waits=(first,))
+    assert a.id in b.deps
+    b_stream.finish_all()  # the waiting one is noticed first
+    assert a.end_ns is not None and a.end_ns <= b.start_ns <= b.end_ns
+    noticed = a.end_ns
+    a_stream.finish_all()  # the first one's own notice changes nothing
+    assert a.end_ns == noticed
