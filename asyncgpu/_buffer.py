@@ -13,6 +13,7 @@ the host can touch the memory, else ``None``) and ``_kind``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,14 @@ if TYPE_CHECKING:
     from ._stream import _StreamImpl
 
 __all__ = ["DeviceBuffer", "HostBuffer", "as_dtype"]
+
+_exiting = False  # set at interpreter exit (atexit): buffers stop giving memory back
+
+
+@atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
 
 
 def as_dtype(dtype: Any) -> np.dtype[Any]:
@@ -236,7 +245,11 @@ class _BufferBase(_BufferFieldsBase):
         return self.context().enqueue_memset(self, value)  # type: ignore[arg-type]
 
     def __del__(self) -> None:
-        if self._owns and self._alloc is not None:
+        # Once the interpreter exits, memory is not given back: the process's end
+        # frees it, and the driver's and cuda.core's objects may already be gone
+        # (a buffer held in a module global past its context's close crashed the
+        # interpreter's teardown on the H200, 2026-12-04).
+        if self._owns and self._alloc is not None and not _exiting:
             with contextlib.suppress(Exception):
                 self._alloc.release(self._owner)
 

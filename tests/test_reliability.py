@@ -822,3 +822,40 @@ def test_soak_small(api: str) -> None:
     assert all(rec["groups"][k] for k in soak.KINDS)
     assert rec["all_flat"], rec["flat"]
     assert rec["passed"]
+
+
+EXIT_SCRIPT = """
+import sys
+import numpy as np
+import asyncgpu as ag
+
+with ag.DeviceContext(api=sys.argv[1]) as ctx:
+    kept = ctx.enqueue_create_buffer(np.float32, 1024)  # outlives the context
+    host = ctx.enqueue_create_host_buffer(np.float32, 1024)
+    ctx.enqueue_memset(kept, 1.0)
+print("OK")
+"""
+
+
+def test_buffers_kept_past_their_context_let_the_interpreter_exit_cleanly(
+    api: str, tmp_path: Path
+) -> None:
+    """Buffers held in module globals after their context closed are dropped
+    during the interpreter's teardown; the process exits with status 0 (on the
+    H200 this crashed the teardown in ``__del__`` until ab7abdf's successor)."""
+    import os
+    import subprocess
+
+    script = tmp_path / "kept.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    for _ in range(3):  # the crash did not come every time
+        proc = subprocess.run(
+            [sys.executable, "-X", "faulthandler", str(script), api],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "OK" in proc.stdout
