@@ -937,17 +937,13 @@ class CudaStream(_PolledStream):
         backend = self.backend
         to_device = src._kind == "pageable"
 
-        kit = backend.stage_kit(nbytes)  # (here: see stage_kit)
+        backend._stage_kits.reserve()  # (here, on the enqueuing thread: see _StageKits)
 
         def work() -> None:
             backend.make_current()
-            backend.staged_copy(dst, src, nbytes, to_device, kit)
+            backend.staged_copy(dst, src, nbytes, to_device)
 
-        try:
-            return self._host_op(_in_pool_value(work), keep)
-        except BaseException:
-            backend.return_kit(kit)
-            raise
+        return self._host_op(_in_pool_value(work), keep)
 
     # -- user events, sync, faults -----------------------------------------------------------
 
@@ -1262,6 +1258,61 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
     return _ArgPlan(tuple(conv), packer, tuple(map(type, args)), native)
 
 
+class _StageKits:
+    """The streams and events of staged (pageable) copies, made on the threads
+    that enqueue the copies and handed to the pool threads that run them.
+
+    Never on the pool thread: while a stream waits on host memory (a wrapped
+    stream's ``cuStreamWaitValue64`` behind host work) the driver may hold calls
+    such as ``cuStreamCreate`` in other threads until that wait ends, which
+    would then be never (the H200 hung ``test_external_cupy_stream[cuda]`` so,
+    2026-12-04, in a pool thread's ``cuStreamCreate``). At most ``limit`` kits
+    are made (the CPU pool's size: no more copies run at once), so a burst of
+    queued copies does not make a stream each. ``take`` finds one made for it,
+    or, if another enqueuing thread is still making the last one, makes one
+    itself."""
+
+    def __init__(self, make: Callable[[], Any], limit: int) -> None:
+        self._make = make
+        self._limit = limit
+        self._made = 0
+        self._free: list[Any] = []
+        self._lock = threading.Lock()
+
+    def reserve(self) -> None:
+        """On the enqueuing thread, before the copy is queued: make sure a kit will
+        be there when the copy runs."""
+        with self._lock:
+            if self._made >= self._limit:
+                return
+            self._made += 1
+        try:
+            kit = self._make()
+        except BaseException:
+            with self._lock:
+                self._made -= 1
+            raise
+        self._free.append(kit)
+
+    def take(self) -> Any:
+        try:
+            return self._free.pop()
+        except IndexError:  # (the race in the class docstring)
+            with self._lock:
+                self._made += 1
+            return self._make()
+
+    def give(self, kit: Any) -> None:
+        self._free.append(kit)
+
+    def drain(self) -> list[Any]:
+        """Every kit not in use, for destruction (the context is closing)."""
+        with self._lock:
+            kits, self._free = self._free, []
+            self._made -= len(kits)
+        return kits
+
+
 class CudaBackend:
     """One CUDA device, on its primary context."""
 
@@ -1285,7 +1336,7 @@ class CudaBackend:
         self._attr_cache: dict[int, int] = {}
         self._free_stamps: list[Any] = []  # timing events tracing has read back
         self._clock_stream: Any = None  # where tracing maps the device's clock
-        self._stage_kits: list[tuple[Any, list[Any]]] = []  # staged copies' streams, events
+        self._stage_kits = _StageKits(self._make_stage_kit, pool_size())
         self._streams: weakref.WeakSet[CudaStream] = weakref.WeakSet()
         self._info: GPUInfo | None = None
         cc = (
@@ -1632,56 +1683,34 @@ class CudaBackend:
     def pointer_host_view(self, ptr: int, nbytes: int) -> np.ndarray | None:
         return None
 
-    def stage_kit(self, nbytes: int) -> tuple[Any, list[Any], list[Any], int]:
-        """What a staged copy of ``nbytes`` needs from the driver: a stream and
-        events of its own (``cuStreamCreate``, ``cuEventCreate``; kept for the next
-        copy) and pinned chunks (from ``_pinned``). Made on the enqueuing thread,
-        before the copy's stream may wait on the host: while a stream waits on host
-        memory (a wrapped stream's ``cuStreamWaitValue64``) the driver may hold
-        such calls in other threads until the wait ends, which would then be
-        never (the H200 hung ``test_external_cupy_stream[cuda]`` so, 2026-12-04,
-        in a pool thread's ``cuStreamCreate``). Give it back with ``return_kit``."""
+    def _make_stage_kit(self) -> tuple[Any, list[Any]]:
+        """A stream and ``_STAGE_SLOTS`` events for one staged copy
+        (``cuStreamCreate``, ``cuEventCreate``)."""
+        self.make_current()
+        stream = _check(
+            cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"
+        )
+        events = [
+            _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            for _ in range(_STAGE_SLOTS)
+        ]
+        return stream, events
+
+    def _destroy_stage_kit(self, kit: tuple[Any, list[Any]]) -> None:
+        stream, events = kit
+        for e in events:
+            cu.cuEventDestroy(e)
+        cu.cuStreamDestroy(stream)
+
+    def staged_copy(self, dst: Any, src: Any, nbytes: int, to_device: bool) -> None:
+        """Copy between pageable host memory and device memory through pinned chunks
+        (runs on a pool thread; blocks that thread only), with a stream and events
+        that an enqueuing thread made (``_StageKits``)."""
+        kit = self._stage_kits.take()
+        stage_stream, events = kit
         chunk = min(_STAGE_CHUNK, nbytes)
         nslots = min(_STAGE_SLOTS, (nbytes + chunk - 1) // chunk)
-        self.make_current()
-        try:
-            stream, events = self._stage_kits.pop()
-        except IndexError:
-            stream = _check(
-                cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"
-            )
-            events = [
-                _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
-                for _ in range(_STAGE_SLOTS)
-            ]
-        slots = []
-        try:
-            for _ in range(nslots):
-                slots.append(_pinned.take(chunk))
-        except BaseException:
-            self.return_kit((stream, events, slots, chunk))
-            raise
-        return stream, events, slots, chunk
-
-    def return_kit(self, kit: tuple[Any, list[Any], list[Any], int]) -> None:
-        stream, events, slots, _ = kit
-        for block in slots:
-            _pinned.give(block)
-        self._stage_kits.append((stream, events))
-
-    def staged_copy(
-        self,
-        dst: Any,
-        src: Any,
-        nbytes: int,
-        to_device: bool,
-        kit: tuple[Any, list[Any], list[Any], int],
-    ) -> None:
-        """Copy between pageable host memory and device memory through the pinned
-        chunks of ``kit`` (``stage_kit``; runs on a pool thread and blocks that
-        thread only; gives the kit back)."""
-        stage_stream, events, slots, chunk = kit
-        nslots = len(slots)
+        slots = [_pinned.take(chunk) for _ in range(nslots)]
         try:
             host = src._hostbytes if to_device else dst._hostbytes
             pending: list[tuple[int, int, int] | None] = [None] * nslots
@@ -1722,7 +1751,9 @@ class CudaBackend:
                     _host_copy(host[p_off : p_off + p_n], slots[slot].view[:p_n])
                 pending[slot] = None
         finally:
-            self.return_kit(kit)
+            for block in slots:
+                _pinned.give(block)
+            self._stage_kits.give(kit)
 
     def init_user_event(
         self, ev: DeviceEvent, blocking_sync: bool, disable_timing: bool, interprocess: bool
@@ -2010,11 +2041,8 @@ class CudaBackend:
             self._clock_stream = None
         while self._free_stamps:
             cu.cuEventDestroy(self._free_stamps.pop())
-        while self._stage_kits:
-            stream, events = self._stage_kits.pop()
-            for e in events:
-                cu.cuEventDestroy(e)
-            cu.cuStreamDestroy(stream)
+        for kit in self._stage_kits.drain():
+            self._destroy_stage_kit(kit)
 
 
 def _join_options(*parts: Any) -> list[str]:

@@ -477,3 +477,57 @@ def test_a_wait_for_a_finished_copy_never_waits_on_a_counter_marker_held_back(ma
     s._device_wait_for("other", copy)
 
     assert driver.waits == []
+
+
+# -- the streams and events of staged copies ---------------------------------------------
+
+
+def test_staged_copies_get_streams_made_by_the_enqueuing_thread_at_most_one_per_pool_thread() -> (
+    None
+):
+    """Each enqueued pageable copy reserves a kit (a stream and events) on the
+    enqueuing thread, up to the pool's size; the pool thread that runs the copy
+    takes one and makes none. A burst of 100 queued copies makes 4 kits, not 100
+    (ab7abdf made one per queued copy, with its pinned chunks)."""
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(threading.current_thread().name)
+        return f"kit{len(made)}"
+
+    kits = cuda._StageKits(make, limit=4)
+    for _ in range(100):
+        kits.reserve()  # the event loop enqueues 100 copies
+    assert len(made) == 4 and set(made) == {threading.current_thread().name}
+
+    taken: list[str] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def run_copy() -> None:  # four pool threads, each running copies
+        try:
+            for _ in range(25):
+                barrier.wait(10)
+                kit = kits.take()
+                taken.append(kit)
+                barrier.wait(10)  # four copies in flight at once
+                kits.give(kit)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run_copy) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(taken) == 100
+    assert len(made) == 4, "a pool thread made a kit"
+    assert sorted(kits.drain()) == ["kit1", "kit2", "kit3", "kit4"]
+
+
+def test_a_copy_that_finds_no_kit_yet_makes_one_rather_than_fail() -> None:
+    """Another enqueuing thread may still be making the kit that the count
+    already promised; the copy then makes its own."""
+    kits = cuda._StageKits(lambda: object(), limit=1)
+    kits._made = 1  # promised by a reserve() still running in another thread
+    assert kits.take() is not None
