@@ -938,12 +938,22 @@ class CudaStream(_PolledStream):
         to_device = src._kind == "pageable"
 
         backend._stage_kits.reserve()  # (here, on the enqueuing thread: see _StageKits)
+        # A wrapped stream waits on the device for this very copy, so its pinned
+        # chunks are taken here too (a page-locked allocation on the pool thread
+        # could wait for that wait). An owned stream holds its work on the host
+        # instead, and its copy takes them when it runs, as few as run at once.
+        chunks = None if self.owned else backend.stage_chunks(nbytes)
 
         def work() -> None:
             backend.make_current()
-            backend.staged_copy(dst, src, nbytes, to_device)
+            backend.staged_copy(dst, src, nbytes, to_device, chunks)
 
-        return self._host_op(_in_pool_value(work), keep)
+        try:
+            return self._host_op(_in_pool_value(work), keep)
+        except BaseException:
+            for block in chunks or ():
+                _pinned.give(block)
+            raise
 
     # -- user events, sync, faults -----------------------------------------------------------
 
@@ -1702,15 +1712,42 @@ class CudaBackend:
             cu.cuEventDestroy(e)
         cu.cuStreamDestroy(stream)
 
-    def staged_copy(self, dst: Any, src: Any, nbytes: int, to_device: bool) -> None:
-        """Copy between pageable host memory and device memory through pinned chunks
-        (runs on a pool thread; blocks that thread only), with a stream and events
-        that an enqueuing thread made (``_StageKits``)."""
-        kit = self._stage_kits.take()
-        stage_stream, events = kit
+    def stage_chunks(self, nbytes: int) -> list[Any]:
+        """The pinned chunks a staged copy of ``nbytes`` moves its data through."""
         chunk = min(_STAGE_CHUNK, nbytes)
         nslots = min(_STAGE_SLOTS, (nbytes + chunk - 1) // chunk)
-        slots = [_pinned.take(chunk) for _ in range(nslots)]
+        self.make_current()
+        slots: list[Any] = []
+        try:
+            for _ in range(nslots):
+                slots.append(_pinned.take(chunk))
+        except BaseException:
+            for block in slots:
+                _pinned.give(block)
+            raise
+        return slots
+
+    def staged_copy(
+        self, dst: Any, src: Any, nbytes: int, to_device: bool, chunks: list[Any] | None
+    ) -> None:
+        """Copy between pageable host memory and device memory through pinned chunks
+        (``chunks``, or taken now; runs on a pool thread and blocks that thread
+        only), with a stream and events that an enqueuing thread made
+        (``_StageKits``). Gives the chunks back."""
+        try:
+            kit = self._stage_kits.take()
+        except BaseException:
+            for block in chunks or ():
+                _pinned.give(block)
+            raise
+        try:
+            slots = chunks if chunks is not None else self.stage_chunks(nbytes)
+        except BaseException:
+            self._stage_kits.give(kit)
+            raise
+        stage_stream, events = kit
+        chunk = min(_STAGE_CHUNK, nbytes)
+        nslots = len(slots)
         try:
             host = src._hostbytes if to_device else dst._hostbytes
             pending: list[tuple[int, int, int] | None] = [None] * nslots
