@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import _buffer
+
 if TYPE_CHECKING:
     from ._event import DeviceEvent
     from ._stream import _StreamImpl
@@ -168,7 +170,10 @@ class Trace:
                 self._read_stamps()
 
     def __del__(self) -> None:
-        # Stamps nobody read back: their events go back to their device.
+        # Stamps nobody read back: their events go back to their device (not once
+        # the interpreter exits: the driver's objects may be gone, see _buffer).
+        if _buffer._exiting:
+            return
         for stream, stamp in self._stamps.values():
             with contextlib.suppress(Exception):  # (at interpreter exit, maybe)
                 stream.backend.drop_stamp(stamp)

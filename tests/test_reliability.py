@@ -833,6 +833,8 @@ with ag.DeviceContext(api=sys.argv[1]) as ctx:
     kept = ctx.enqueue_create_buffer(np.float32, 1024)  # outlives the context
     host = ctx.enqueue_create_host_buffer(np.float32, 1024)
     ctx.enqueue_memset(kept, 1.0)
+    with ctx.trace() as trace:  # kept too, with device stamps nobody read (CUDA)
+        ctx.enqueue_memset(kept, 2.0)
 print("OK")
 """
 
@@ -840,9 +842,10 @@ print("OK")
 def test_buffers_kept_past_their_context_let_the_interpreter_exit_cleanly(
     api: str, tmp_path: Path
 ) -> None:
-    """Buffers held in module globals after their context closed are dropped
-    during the interpreter's teardown; the process exits with status 0 (on the
-    H200 this crashed the teardown in ``__del__`` until ab7abdf's successor)."""
+    """Buffers (and a trace) held in module globals after their context closed
+    are dropped during the interpreter's teardown; the process exits with
+    status 0 (on the H200 buffers crashed the teardown in ``__del__`` before
+    8cb6944)."""
     import os
     import subprocess
 
