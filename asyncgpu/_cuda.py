@@ -1734,21 +1734,15 @@ class CudaBackend:
         (``chunks``, or taken now; runs on a pool thread and blocks that thread
         only), with a stream and events that an enqueuing thread made
         (``_StageKits``). Gives the chunks back."""
+        slots = chunks or []
+        kit = None
         try:
             kit = self._stage_kits.take()
-        except BaseException:
-            for block in chunks or ():
-                _pinned.give(block)
-            raise
-        try:
-            slots = chunks if chunks is not None else self.stage_chunks(nbytes)
-        except BaseException:
-            self._stage_kits.give(kit)
-            raise
-        stage_stream, events = kit
-        chunk = min(_STAGE_CHUNK, nbytes)
-        nslots = len(slots)
-        try:
+            if chunks is None:
+                slots = self.stage_chunks(nbytes)
+            stage_stream, events = kit
+            chunk = min(_STAGE_CHUNK, nbytes)
+            nslots = len(slots)
             host = src._hostbytes if to_device else dst._hostbytes
             pending: list[tuple[int, int, int] | None] = [None] * nslots
             off = 0
@@ -1790,7 +1784,8 @@ class CudaBackend:
         finally:
             for block in slots:
                 _pinned.give(block)
-            self._stage_kits.give(kit)
+            if kit is not None:
+                self._stage_kits.give(kit)
 
     def init_user_event(
         self, ev: DeviceEvent, blocking_sync: bool, disable_timing: bool, interprocess: bool

@@ -120,7 +120,7 @@ def _wake_all(ev: DeviceEvent, waiters: list[Any]) -> None:
     order. It is ``DeviceEvent._wake_waiters``, which ``_finish`` calls."""
     for w in waiters:
         if type(w) is _LoopWaiter:
-            _wake(w, ev)
+            _wake(w)
     for w in waiters:
         if type(w) is not _LoopWaiter:
             w(ev)
@@ -264,15 +264,12 @@ def _set_future(fut: asyncio.Future[Any]) -> None:
         fut.set_result(None)
 
 
-def _wake(waiter: Any, ev: DeviceEvent) -> None:
-    if type(waiter) is _LoopWaiter:
-        if waiter.thread == _get_ident():
-            _set_future(waiter.fut)
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to wake
-                waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
+def _wake(waiter: _LoopWaiter) -> None:
+    if waiter.thread == _get_ident():
+        _set_future(waiter.fut)
     else:
-        waiter(ev)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to wake
+            waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
 
 
 def _loop_waiter(ev: DeviceEvent, loop: asyncio.AbstractEventLoop) -> _LoopWaiter | None:

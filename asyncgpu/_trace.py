@@ -76,9 +76,9 @@ class Trace:
     _by_event: dict[int, int] = field(default_factory=dict, repr=False)
     _last: dict[str, int] = field(default_factory=dict, repr=False)
     # CUDA: node id -> (stream, timing event) not read back yet, and per device
-    # backend the origin of its clock (event, host ns).
+    # backend (by id) the origin of its clock: (backend, event, host ns).
     _stamps: dict[int, tuple[Any, Any]] = field(default_factory=dict, repr=False)
-    _origins: dict[int, tuple[Any, int]] = field(default_factory=dict, repr=False)
+    _origins: dict[int, tuple[Any, Any, int]] = field(default_factory=dict, repr=False)
     t0_ns: int = field(default_factory=time.perf_counter_ns)
 
     def record(
@@ -96,9 +96,9 @@ class Trace:
         if stream.device_clock:
             backend = stream.backend  # type: ignore[attr-defined]
             if id(backend) not in self._origins:
-                origin = backend.trace_clock()  # (before the first stamp it maps)
+                event, host_ns = backend.trace_clock()  # (before the first stamp it maps)
                 with self._lock:
-                    self._origins.setdefault(id(backend), origin)
+                    self._origins.setdefault(id(backend), (backend, event, host_ns))
             stamp = stream.trace_stamp()
         with self._lock:
             nid = len(self.nodes)
@@ -158,8 +158,7 @@ class Trace:
                 continue
             stack.pop()
             n.end_ns = end = max(now, n.submit_ns)
-            ends = [nodes[d].end_ns for d in n.deps]
-            n.start_ns = min(end, max([n.submit_ns, *(e for e in ends if e is not None)]))
+            n.start_ns = _start_ns(n, end, [nodes[d].end_ns for d in n.deps])
 
     def device_times(self) -> None:
         """Fill ``device_start_ns`` / ``device_end_ns`` of every node whose end the
@@ -170,31 +169,33 @@ class Trace:
                 self._read_stamps()
 
     def __del__(self) -> None:
-        # Stamps nobody read back: their events go back to their device (not once
-        # the interpreter exits: the driver's objects may be gone, see _buffer).
+        # The clocks' origins and the stamps nobody read back: their events go back
+        # to their device (not once the interpreter exits: the driver's objects may
+        # be gone, see _buffer).
         if _buffer._exiting:
             return
-        for stream, stamp in self._stamps.values():
-            with contextlib.suppress(Exception):  # (at interpreter exit, maybe)
-                stream.backend.drop_stamp(stamp)
+        events = [(s.backend, e) for s, e in self._stamps.values()]
+        events += [(b, e) for b, e, _ in self._origins.values()]
+        for backend, event in events:
+            with contextlib.suppress(Exception):  # (a finalizer raises nothing)
+                backend.drop_stamp(event)
         self._stamps.clear()
+        self._origins.clear()
 
     def _read_stamps(self) -> None:
         """Under ``_lock``: read back the timing events the device has passed, in
         node order (``_stamps`` is filled in that order), so that a node's
         dependencies have their device ends first."""
         for nid, (stream, stamp) in list(self._stamps.items()):
-            backend = stream.backend
-            origin, origin_ns = self._origins[id(backend)]
+            backend, origin, origin_ns = self._origins[id(stream.backend)]
             ns = backend.stamp_ns(origin, stamp)
             if ns is None:
                 continue
             del self._stamps[nid]
             node = self.nodes[nid]
             node.device_end_ns = end = origin_ns + ns
-            ends = [self.nodes[d].device_end_ns for d in node.deps]
-            node.device_start_ns = min(
-                end, max([node.submit_ns, *(e for e in ends if e is not None)])
+            node.device_start_ns = _start_ns(
+                node, end, [self.nodes[d].device_end_ns for d in node.deps]
             )
 
     # -- reading back ------------------------------------------------------------------
@@ -216,3 +217,9 @@ class Trace:
                 "nodes": [vars(n).copy() for n in self.nodes.values()],
                 "edges": [vars(e).copy() for e in self.edges],
             }
+
+
+def _start_ns(node: TraceNode, end: int, dep_ends: list[int | None]) -> int:
+    """When ``node`` started: the later of its submission and the ends of what it
+    depends on (those known), and no later than its own ``end``."""
+    return min(end, max([node.submit_ns, *(e for e in dep_ends if e is not None)]))

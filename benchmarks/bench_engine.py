@@ -13,6 +13,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,10 @@ def warm_gpu(ctx: ag.DeviceContext, empty: ag.DeviceFunction, seconds: float = W
     return n
 
 
-def latency(ctx: ag.DeviceContext, empty: ag.DeviceFunction, n: int) -> dict[str, Any]:
-    """Enqueue an empty kernel and learn it finished: asyncgpu await vs the same
-    launch through cuda.core followed by a blocking cuStreamSynchronize."""
+def blocking_round_trip(ctx: ag.DeviceContext, empty: ag.DeviceFunction) -> Callable[[], int]:
+    """The await's baseline: ``empty`` launched on the context's current stream
+    through cuda.core, then a blocking ``cuStreamSynchronize``; the callable
+    returns the nanoseconds of one such round trip."""
     from cuda.bindings import driver as cu
     from cuda.core import LaunchConfig, launch
 
@@ -81,11 +83,19 @@ def latency(ctx: ag.DeviceContext, empty: ag.DeviceFunction, n: int) -> dict[str
     kernel = empty._impl.kernel
     cfg = LaunchConfig(grid=1, block=1)
 
-    def blocking_once() -> int:
+    def once() -> int:
         t0 = time.perf_counter_ns()
         launch(cs, cfg, kernel)
         cu.cuStreamSynchronize(raw)
         return time.perf_counter_ns() - t0
+
+    return once
+
+
+def latency(ctx: ag.DeviceContext, empty: ag.DeviceFunction, n: int) -> dict[str, Any]:
+    """Enqueue an empty kernel and learn it finished: asyncgpu await vs the same
+    launch through cuda.core followed by a blocking cuStreamSynchronize."""
+    blocking_once = blocking_round_trip(ctx, empty)
 
     async def await_once() -> int:
         t0 = time.perf_counter_ns()

@@ -35,9 +35,8 @@ def main() -> dict[str, Any]:
     if a.completion:
         os.environ["ASYNCGPU_COMPLETION"] = a.completion
     from _harness import environment_info, report_probe
+    from bench_engine import blocking_round_trip
     from bench_fastpaths import SRC
-    from cuda.bindings import driver as cu
-    from cuda.core import LaunchConfig, launch
 
     import asyncgpu as ag
     from asyncgpu import _engine
@@ -55,17 +54,7 @@ def main() -> dict[str, Any]:
     with ag.DeviceContext(api="cuda") as ctx:
         out["completion"] = ctx._state.backend.completion
         empty = ctx.compile_function(SRC, "empty")
-        stream = ctx.stream()
-        raw = cu.CUstream(stream.handle)
-        cs = stream._impl.cs
-        cfg = LaunchConfig(grid=1, block=1)
-        kernel = empty._impl.kernel
-
-        def blocking() -> int:
-            t0 = time.perf_counter_ns()
-            launch(cs, cfg, kernel)
-            cu.cuStreamSynchronize(raw)
-            return time.perf_counter_ns() - t0
+        blocking = blocking_round_trip(ctx, empty)  # (the suite's own baseline)
 
         async def run() -> None:
             enq: list[int] = []

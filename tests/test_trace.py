@@ -244,7 +244,7 @@ def test_cuda_device_times_measure_the_kernels(api: str) -> None:
     assert b.device_start_ns == a.device_end_ns and b.device_end_ns > a.device_end_ns
 
 
-def test_a_dropped_trace_gives_back_the_stamps_nobody_read() -> None:
+def test_a_dropped_trace_gives_back_its_clock_and_the_stamps_nobody_read() -> None:
     dropped: list[object] = []
     clock = _DeviceClock()
     clock.drop_stamp = dropped.append  # type: ignore[attr-defined]
@@ -256,7 +256,7 @@ def test_a_dropped_trace_gives_back_the_stamps_nobody_read() -> None:
     t.device_times()  # the first is read back (the backend recycles it itself)
     del t
     gc.collect()
-    assert dropped == [("gpu:0/s0", 2), ("gpu:0/s0", 3)]
+    assert dropped == [("gpu:0/s0", 2), ("gpu:0/s0", 3), "origin"]
 
 
 def test_a_completion_noticed_first_ends_what_it_waited_for_no_later() -> None:
