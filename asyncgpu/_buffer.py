@@ -14,7 +14,6 @@ the host can touch the memory, else ``None``) and ``_kind``.
 from __future__ import annotations
 
 import atexit
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,14 +27,6 @@ if TYPE_CHECKING:
     from ._stream import _StreamImpl
 
 __all__ = ["DeviceBuffer", "HostBuffer", "as_dtype"]
-
-_exiting = False  # set at interpreter exit (atexit): buffers stop giving memory back
-
-
-@atexit.register
-def _at_exit() -> None:
-    global _exiting
-    _exiting = True
 
 
 def as_dtype(dtype: Any) -> np.dtype[Any]:
@@ -244,20 +235,39 @@ class _BufferBase(_BufferFieldsBase):
         """Set every element to ``value`` on the owning stream."""
         return self.context().enqueue_memset(self, value)  # type: ignore[arg-type]
 
+    # Set at interpreter exit (atexit). A class attribute, read through the
+    # instance: it survives the clearing of this module's globals in the teardown.
+    _exiting = False
+
     def __del__(self) -> None:
-        # Once the interpreter exits, memory is not given back: the process's end
-        # frees it, and the driver's and cuda.core's objects may already be gone
-        # (a buffer held in a module global past its context's close crashed the
-        # interpreter's teardown on the H200, 2026-12-04).
-        if self._owns and self._alloc is not None and not _exiting:
-            with contextlib.suppress(Exception):
-                self._alloc.release(self._owner)
+        alloc = self._alloc
+        if not self._owns or alloc is None:
+            return
+        try:
+            if self._exiting:
+                # The process is ending: its end frees the memory. A cuda.core
+                # buffer left to itself would free on the stream it was allocated
+                # on, destroyed by now if the context closed (cuMemFreeAsync on a
+                # destroyed stream crashed the teardown on the H200, 2026-12-04),
+                # so the allocation is abandoned instead.
+                abandon = getattr(alloc, "abandon", None)
+                if abandon is not None:
+                    abandon()
+            else:
+                alloc.release(self._owner)
+        except Exception:  # a finalizer has nobody to raise to
+            pass
 
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__} {self._dtype}[{self._size}] on {self._owner.label}"
             f" at 0x{self._ptr:x}>"
         )
+
+
+@atexit.register
+def _at_exit() -> None:
+    _BufferBase._exiting = True
 
 
 class DeviceBuffer(_BufferBase):

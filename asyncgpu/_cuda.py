@@ -331,23 +331,36 @@ class _DeviceAlloc:
             spare = getattr(stream, "spare", None)
             if spare is not None and spare.keep(buf, self.nbytes):
                 return
-            backend = self.backend
-            backend.make_current()
-            if getattr(stream, "is_closed", True):
-                buf.close(backend._core_device.default_stream)
-            else:
-                buf.close(stream.cs)  # type: ignore[attr-defined]
+            try:
+                self.backend.make_current()
+                if getattr(stream, "is_closed", True):
+                    buf.close(self.backend._core_device.default_stream)
+                else:
+                    buf.close(stream.cs)  # type: ignore[attr-defined]
+            except BaseException:
+                # Not freed: left to itself, cuda.core would free it on the stream
+                # it was allocated on, which may be gone.
+                self.buf = buf
+                self.abandon()
+                raise
 
     def detach(self) -> None:
         """``take_ptr``: the memory is the caller's from now on, so cuda.core must
-        never free it. cuda.core has no way to give a buffer up, so its Buffer is
-        kept alive for good: a reference that is never dropped, which also keeps
-        it out of the interpreter's teardown (a list of such buffers was emptied
-        at exit, and the freeing on a destroyed stream crashed the process on the
-        H200, 2026-12-03)."""
+        never free it (``abandon``)."""
+        self.abandon()
+
+    def abandon(
+        self, _incref: Any = ctypes.pythonapi.Py_IncRef, _obj: Any = ctypes.py_object
+    ) -> None:
+        """Never free this memory. cuda.core has no way to give a buffer up, so its
+        Buffer gets a reference that is never dropped, which also keeps it out of
+        the interpreter's teardown: freed there, it is freed on the stream it was
+        allocated on, and ``cuMemFreeAsync`` on a destroyed stream crashed the
+        process on the H200 (2026-12-03, 2026-12-04). The ctypes functions are
+        bound as defaults so that this works while the module is torn down."""
         buf, self.buf = self.buf, None
         if buf is not None:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(buf))
+            _incref(_obj(buf))
 
     def set_owner(self, stream: _StreamImpl) -> None:
         cs = getattr(stream, "cs", None)

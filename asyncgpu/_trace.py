@@ -171,8 +171,11 @@ class Trace:
     def __del__(self) -> None:
         # The clocks' origins and the stamps nobody read back: their events go back
         # to their device (not once the interpreter exits: the driver's objects may
-        # be gone, see _buffer).
-        if _buffer._exiting:
+        # be gone, see _buffer; nor once this module's globals are cleared).
+        try:
+            if _buffer._BufferBase._exiting:
+                return
+        except AttributeError:
             return
         events = [(s.backend, e) for s, e in self._stamps.values()]
         events += [(b, e) for b, e, _ in self._origins.values()]

@@ -4,6 +4,7 @@ wait that turns a module load behind held CPU work into an error, not a hang."""
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 
 import pytest
@@ -289,6 +290,47 @@ def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_on
     late = _Buf()
     cuda._DeviceAlloc(_Backend(), late, None, 512).release(s)
     assert late.freed_on == "device default stream"  # its stream is gone
+
+
+class _ClosingBackend:
+    _core_device = type("Dev", (), {"default_stream": "device default stream"})()
+
+    def make_current(self) -> None:
+        pass
+
+
+class _ClosedStream:
+    spare = None
+    is_closed = True
+
+
+def test_an_abandoned_allocation_is_never_freed_even_when_its_last_reference_goes() -> None:
+    """At interpreter exit (and for ``take_ptr``) the cuda.core buffer gets a
+    reference nobody drops: cuda.core's own free would run on the stream the
+    memory was allocated on, which may be destroyed."""
+    buf = _Buf()
+    before = sys.getrefcount(buf)
+    alloc = cuda._DeviceAlloc(_ClosingBackend(), buf, None, 512)
+    alloc.abandon()
+    del alloc
+    assert sys.getrefcount(buf) == before + 1
+    assert buf.freed_on is None
+    ctypes.pythonapi.Py_DecRef(ctypes.py_object(buf))  # the test's own clean-up
+
+
+def test_a_free_that_fails_abandons_the_buffer_rather_than_leave_it_to_cuda_core() -> None:
+    class _FailingBuf(_Buf):
+        def close(self, stream: object) -> None:
+            raise RuntimeError("cuMemFreeAsync failed")
+
+    buf = _FailingBuf()
+    before = sys.getrefcount(buf)
+    alloc = cuda._DeviceAlloc(_ClosingBackend(), buf, None, 512)
+    with pytest.raises(RuntimeError, match="cuMemFreeAsync"):
+        alloc.release(_ClosedStream())
+    del alloc
+    assert sys.getrefcount(buf) == before + 1
+    ctypes.pythonapi.Py_DecRef(ctypes.py_object(buf))
 
 
 def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> None:
