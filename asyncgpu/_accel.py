@@ -3,14 +3,16 @@
 ``native`` is the module, or None: not built (asyncgpu then runs on Python and
 cuda.bindings alone), or ``ASYNCGPU_NATIVE=0`` in the environment when asyncgpu
 was imported. Events, polled streams and buffers keep their fields in its C
-types (``EventCore``, ``StreamCore``, ``BufferCore``; ``c_base``) when it is
-there; the CUDA backend also binds its driver calls (``_cuda._bind_native``),
-which it does only once a driver has initialised.
+types (``EventCore``, ``StreamCore``, ``BufferCore``, ``SpareCore``,
+``FunctionCore``, ``ContextCore``; ``c_base``) and their locks are its ``RLock``
+(``hot_lock``) when it is there; the CUDA backend also binds its driver calls
+(``_cuda._bind_native``), which it does only once a driver has initialised.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 
@@ -31,3 +33,10 @@ def c_base(name: str, fallback: type) -> type:
     """The C type ``name`` of the extension that a class keeps its fields in, or
     ``fallback`` (a Python class with the same fields) where it is not loaded."""
     return fallback if native is None else getattr(native, name)
+
+
+def hot_lock() -> Any:
+    """A lock the hot paths take: the extension's ``RLock`` (re-entrant, with
+    ``threading.RLock``'s methods), which its C code takes and gives back
+    without a Python call, or ``threading.RLock`` where it is not loaded."""
+    return threading.RLock() if native is None else native.RLock()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._accel import c_base
+from ._accel import c_base, native
 from ._errors import ContextClosedError
 
 if TYPE_CHECKING:
@@ -85,17 +85,44 @@ class _Pointer:
 
 
 class _BufferFields:
-    """The fields of a buffer that a launch reads: its address, its allocation
-    (None once it no longer owns memory) and its context."""
+    """The fields of a buffer: its allocation (None once it no longer owns
+    memory), context, dtype, host view, owning stream, parent (of a sub-buffer),
+    address, length, size in bytes and whether it owns its memory. Dropping a
+    buffer gives its memory back (``_release_memory``)."""
 
-    __slots__ = ("_alloc", "_ctx", "_ptr")
+    __slots__ = (
+        "_alloc",
+        "_ctx",
+        "_dtype",
+        "_hostbytes",
+        "_nbytes",
+        "_owner",
+        "_owns",
+        "_parent",
+        "_ptr",
+        "_size",
+    )
     _alloc: Any
     _ctx: DeviceContext
+    _dtype: np.dtype[Any]
+    _hostbytes: np.ndarray | None
+    _nbytes: int
+    _owner: _StreamImpl
+    _owns: bool
+    _parent: _BufferBase | None
     _ptr: int
+    _size: int
+
+    def __del__(self) -> None:
+        self._release_memory()  # type: ignore[attr-defined]
 
 
-# In C where the extension is built: the CUDA launch then packs a buffer argument
-# by reading these fields directly (``asyncgpu._native``, ``pack_one``).
+# In C where the extension is built (``asyncgpu._native.BufferCore``): the CUDA
+# launch packs a buffer argument by reading these fields directly,
+# ``DeviceContext.enqueue_create_buffer`` makes a buffer on memory its stream kept
+# without Python, and a dropped device buffer gives its memory back to its
+# stream's kept buffers without Python (everything else through
+# ``_release_memory``).
 if TYPE_CHECKING:
     _BufferFieldsBase = _BufferFields
 else:
@@ -105,16 +132,7 @@ else:
 class _BufferBase(_BufferFieldsBase):
     """Shared behaviour of device and host buffers."""
 
-    __slots__ = (
-        "__weakref__",
-        "_dtype",
-        "_hostbytes",
-        "_nbytes",
-        "_owner",
-        "_owns",
-        "_parent",
-        "_size",
-    )
+    __slots__ = ("__weakref__",)
     _kind = "device"
 
     def __init__(
@@ -239,7 +257,8 @@ class _BufferBase(_BufferFieldsBase):
     # instance: it survives the clearing of this module's globals in the teardown.
     _exiting = False
 
-    def __del__(self) -> None:
+    def _release_memory(self) -> None:
+        """The buffer is being dropped: give its memory back, if it owns any."""
         alloc = self._alloc
         if not self._owns or alloc is None:
             return
@@ -268,6 +287,8 @@ class _BufferBase(_BufferFieldsBase):
 @atexit.register
 def _at_exit() -> None:
     _BufferBase._exiting = True
+    if native is not None:
+        native.set_exiting(True)
 
 
 class DeviceBuffer(_BufferBase):

@@ -15,10 +15,11 @@ import numbers
 import os
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from ._accel import c_base, native
 from ._buffer import DeviceBuffer, HostBuffer, _BufferBase, _Pointer, _Span, as_dtype, check_size
 from ._errors import ContextClosedError, NoDeviceError, UnsupportedError
 from ._event import DeviceEvent
@@ -157,7 +158,22 @@ class _Ref:
         self.open = True
 
 
-class DeviceContext:
+class _ContextFields:
+    """The fields of a ``DeviceContext``: its shared state, its current stream,
+    and its reference (in ``asyncgpu._native.ContextCore`` where the extension is
+    built, whose C ``enqueue_function`` and ``enqueue_create_buffer`` read them
+    directly)."""
+
+    __slots__ = ("_impl", "_ref", "_state")
+
+
+if TYPE_CHECKING:
+    _ContextBase = _ContextFields
+else:
+    _ContextBase = c_base("ContextCore", _ContextFields)
+
+
+class DeviceContext(_ContextBase):
     """A device context (GPU or CPU) bound to a current stream.
 
     ``DeviceContext(device_id=0, *, api=None)``: ``api`` is ``"cuda"`` or ``"cpu"``;
@@ -170,7 +186,7 @@ class DeviceContext:
     ``await ctx`` waits for all work enqueued so far on the current stream.
     """
 
-    __slots__ = ("__weakref__", "_impl", "_ref", "_state")
+    __slots__ = ("__weakref__",)
     _state: _ContextState
     _impl: _StreamImpl
     _ref: _Ref
@@ -978,6 +994,19 @@ class DeviceContext:
 
     def __hash__(self) -> int:
         return hash((id(self._state), id(self._impl)))
+
+
+# The hot paths in C where the extension is built (``ContextCore``): its
+# ``enqueue_function`` launches a compiled function of this context with a
+# geometry seen before, untraced, in one C call down to ``cuLaunchKernel``; its
+# ``enqueue_create_buffer`` hands out memory the current CUDA stream kept. Every
+# other call goes, unchanged, to the Python methods above, kept as
+# ``_enqueue_function`` and ``_enqueue_create_buffer``.
+if native is not None:
+    for _name in ("enqueue_function", "enqueue_create_buffer"):
+        setattr(DeviceContext, f"_{_name}", getattr(DeviceContext, _name))
+        setattr(DeviceContext, _name, getattr(native.ContextCore, f"_{_name}_c"))
+    native.configure_buffers(DeviceBuffer, DeviceFunction, as_dtype, np.dtype)
 
 
 class _Wait:

@@ -172,7 +172,9 @@ def _bind_native() -> None:
         )
     except (DeviceError, ValueError):
         return  # a driver without these entry points: cuda.bindings
-    native.configure(DeviceEvent, watcher.sweep_later, _PolledStream.MARK_EVERY)
+    native.configure(
+        DeviceEvent, watcher.sweep_later, _PolledStream.MARK_EVERY, CudaStream, _DeviceAlloc
+    )
     _native = native
 
 
@@ -247,23 +249,18 @@ def _leave_queues(q: _HardwareQueues, stream: CudaStream) -> None:
         q.solo = len(q.streams) <= q.limit
 
 
-class _SpareBuffers:
-    """Device buffers of a stream, released and kept for the stream's next
-    allocation of the same size, so that a buffer created and dropped again and
-    again costs no driver call and no new cuda.core ``Buffer``.
+class _SpareFields:
+    """Where the C extension is not built, the kept buffers of ``_SpareBuffers``
+    (``asyncgpu._native.SpareCore`` otherwise: the same methods, which the GIL
+    makes atomic there, and which the context's ``enqueue_create_buffer`` and a
+    dropped device buffer call without Python)."""
 
-    Safe for the same reason the driver's stream-ordered pool is: a buffer comes
-    here only once the device has finished every operation that used it (each
-    operation keeps its buffers alive until then), and it is handed out again only
-    on the stream that owned it, after everything already submitted there. Kept
-    buffers are freed (``cuMemFreeAsync``) when the stream closes, at exit, and
-    when an allocation of the device fails for lack of memory."""
+    __slots__ = ("bufs", "closed", "lock", "per_size", "room")
 
-    __slots__ = ("bufs", "closed", "lock", "room")
-
-    def __init__(self) -> None:
+    def __init__(self, room: int, per_size: int) -> None:
         self.bufs: dict[int, list[Any]] = {}
-        self.room = _SPARE_BYTES
+        self.room = room
+        self.per_size = per_size
         self.closed = False
         # Reentrant: a buffer's finalizer may run (garbage collection) while this
         # thread is inside take() or keep().
@@ -274,32 +271,63 @@ class _SpareBuffers:
             bufs = self.bufs.get(nbytes)
             if not bufs:
                 return None
-            buf = bufs.pop()
+            alloc = bufs.pop()
             self.room += nbytes
-            return buf
+            return alloc
 
-    def keep(self, buf: Any, nbytes: int) -> bool:
+    def keep(self, alloc: Any, nbytes: int) -> bool:
         with self.lock:
             if self.closed or nbytes > self.room:
                 return False
             bufs = self.bufs.setdefault(nbytes, [])
-            if len(bufs) >= _SPARE_PER_SIZE:
+            if len(bufs) >= self.per_size:
                 return False
-            bufs.append(buf)
+            bufs.append(alloc)
             self.room -= nbytes
             return True
 
-    def free(self, cs: Any, close: bool) -> None:
-        """Free every kept buffer on ``cs`` (the owning stream, still alive); with
-        ``close``, keep none from now on."""
+    def _take_all(self, close: bool) -> list[Any]:
         with self.lock:
             self.closed = self.closed or close
-            bufs = [b for group in self.bufs.values() for b in group]
+            allocs = [a for group in self.bufs.values() for a in group]
+            self.room += sum(len(group) * n for n, group in self.bufs.items())
             self.bufs.clear()
-            self.room = _SPARE_BYTES
-        for b in bufs:
+            return allocs
+
+
+if TYPE_CHECKING:
+    _SpareBase = _SpareFields
+else:
+    _SpareBase = _accel.c_base("SpareCore", _SpareFields)
+
+
+class _SpareBuffers(_SpareBase):
+    """Device allocations of a stream, released and kept for the stream's next
+    allocation of the same size, so that a buffer created and dropped again and
+    again costs no driver call and no new allocation object: at most ``per_size``
+    of one size and ``room`` bytes in all (``_SpareBuffers(room, per_size)``; a
+    stream keeps ``_SPARE_BYTES`` and ``_SPARE_PER_SIZE``).
+
+    Safe for the same reason the driver's stream-ordered pool is: an allocation
+    comes here only once the device has finished every operation that used it
+    (each operation keeps its buffers alive until then), and it is handed out
+    again only on the stream that owned it, after everything already submitted
+    there. Kept allocations are freed (``cuMemFreeAsync``) when the stream
+    closes, at exit, and when an allocation of the device fails for lack of
+    memory."""
+
+    __slots__ = ()
+
+    def kept(self) -> bool:
+        """Whether any allocation is kept."""
+        return any(self.bufs.values())
+
+    def free(self, cs: Any, close: bool) -> None:
+        """Free every kept allocation on ``cs`` (the owning stream, still alive);
+        with ``close``, keep none from now on."""
+        for alloc in self._take_all(close):
             with contextlib.suppress(Exception):
-                b.close(cs)
+                alloc.free_on(cs)
 
 
 def _free_spare(spare: _SpareBuffers, backend: CudaBackend, cs: Any) -> None:
@@ -327,10 +355,10 @@ class _DeviceAlloc:
     def release(self, stream: _StreamImpl) -> None:
         buf = self.buf
         if buf is not None:
-            self.buf = None
             spare = getattr(stream, "spare", None)
-            if spare is not None and spare.keep(buf, self.nbytes):
+            if spare is not None and spare.keep(self, self.nbytes):
                 return
+            self.buf = None
             try:
                 self.backend.make_current()
                 if getattr(stream, "is_closed", True):
@@ -343,6 +371,13 @@ class _DeviceAlloc:
                 self.buf = buf
                 self.abandon()
                 raise
+
+    def free_on(self, cs: Any) -> None:
+        """Free the memory on the stream ``cs`` (a kept allocation, at its stream's
+        close or when memory runs short)."""
+        buf, self.buf = self.buf, None
+        if buf is not None:
+            buf.close(cs)
 
     def detach(self) -> None:
         """``take_ptr``: the memory is the caller's from now on, so cuda.core must
@@ -475,7 +510,7 @@ class CudaStream(_PolledStream):
         # event recorded in C with ASYNCGPU_KERNEL_MARKERS=event (_kernel_markers).
         self._kernel_event_markers = _kernel_markers() == "event"
         self._hostsig = ctypes.c_uint64.from_address(self.saddr)
-        self._marker_lock = threading.Lock()
+        self._marker_lock = _accel.hot_lock()
         self._free_events: list[Any] = []
         self._done_seq = 0  # the last marker event seen finished
         # Counter completion: the markers placed right after a copy or memset are
@@ -500,7 +535,7 @@ class CudaStream(_PolledStream):
         self.external_owner = external_owner
         self.is_closed = False
         self.label = f"cuda:{state.device_id}/s{index}"
-        self.spare = _SpareBuffers()
+        self.spare = _SpareBuffers(_SPARE_BYTES, _SPARE_PER_SIZE)
         # Kept buffers are freed on this stream while it lives: at close, or at
         # interpreter exit (before cuda.core's teardown) if it is never closed.
         self._free_spare = weakref.finalize(self, _free_spare, self.spare, backend, self.cs)
@@ -1663,10 +1698,9 @@ class CudaBackend:
     def alloc_device(self, nbytes: int, stream: _StreamImpl) -> _DeviceAlloc:
         if nbytes == 0:
             return _DeviceAlloc(self, None, None)
-        spare = stream.spare  # type: ignore[attr-defined]
-        buf = spare.take(nbytes)
-        if buf is not None:
-            return _DeviceAlloc(self, buf, None, nbytes)
+        kept = stream.spare.take(nbytes)  # type: ignore[attr-defined]
+        if kept is not None:
+            return kept  # type: ignore[no-any-return]
         self.make_current()
         cs = stream.cs  # type: ignore[attr-defined]
         try:
@@ -1691,7 +1725,7 @@ class CudaBackend:
         were any."""
         freed = False
         for s in _all_streams(self):
-            if s.spare.bufs:
+            if s.spare.kept():
                 freed = True
                 s.spare.free(s.cs, False)
         return freed

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from ._accel import c_base
 from ._types import Dim
 
 if TYPE_CHECKING:
@@ -123,14 +124,29 @@ class ThreadBlock:
         return Idx3(n % block.x, (n // block.x) % block.y, n // (block.x * block.y))
 
 
-class DeviceFunction:
+class _FunctionFields:
+    """The fields of a ``DeviceFunction`` that a launch reads: its context, its
+    backend's function and its validated launch configurations (in
+    ``asyncgpu._native.FunctionCore`` where the extension is built, which the C
+    ``enqueue_function`` reads directly)."""
+
+    __slots__ = ("_cfgs", "_ctx", "_impl")
+
+
+if TYPE_CHECKING:
+    _FunctionBase = _FunctionFields
+else:
+    _FunctionBase = c_base("FunctionCore", _FunctionFields)
+
+
+class DeviceFunction(_FunctionBase):
     """A function compiled for one device context.
 
     ``asm`` holds the PTX when compiled with ``dump_asm`` (CUDA), ``sass`` the
     disassembly when the tools for it exist, ``log`` the compiler's log.
     """
 
-    __slots__ = ("__weakref__", "_cfgs", "_ctx", "_impl", "asm", "log", "name", "sass")
+    __slots__ = ("__weakref__", "asm", "log", "name", "sass")
 
     def __init__(
         self,

@@ -143,13 +143,19 @@ static void dealloc_core(PyObject *self, inquiry clear) {
     Py_DECREF(tp);
 }
 
-/* BufferCore: the fields of a device or host buffer that a launch reads (its
- * address, its allocation, its context), in C so that packing a buffer argument
- * reads them directly. asyncgpu._buffer._BufferBase subclasses it. */
+/* ---------------------------------------------------------------------------------
+ * BufferCore: the fields of a device or host buffer (asyncgpu._buffer._BufferBase
+ * subclasses it), in C so that packing a buffer argument reads them directly, the
+ * context's enqueue_create_buffer makes a buffer from memory its stream kept
+ * without Python, and a dropped device buffer gives its memory back to the stream
+ * (buffer_finalize) without Python either.
+ */
 typedef struct {
     PyObject_HEAD
-    PyObject *alloc, *ctx;
+    PyObject *alloc, *ctx, *dtype, *hostbytes, *owner, *parent;
     unsigned long long ptr;
+    Py_ssize_t size, nbytes;
+    char owns;
 } BufferCore;
 
 static PyTypeObject *buffer_core_type = NULL;
@@ -157,7 +163,14 @@ static PyTypeObject *buffer_core_type = NULL;
 static PyMemberDef buffer_members[] = {
     {"_alloc", T_OBJECT, offsetof(BufferCore, alloc), 0, NULL},
     {"_ctx", T_OBJECT, offsetof(BufferCore, ctx), 0, NULL},
+    {"_dtype", T_OBJECT, offsetof(BufferCore, dtype), 0, NULL},
+    {"_hostbytes", T_OBJECT, offsetof(BufferCore, hostbytes), 0, NULL},
+    {"_owner", T_OBJECT, offsetof(BufferCore, owner), 0, NULL},
+    {"_parent", T_OBJECT, offsetof(BufferCore, parent), 0, NULL},
     {"_ptr", T_ULONGLONG, offsetof(BufferCore, ptr), 0, NULL},
+    {"_size", T_PYSSIZET, offsetof(BufferCore, size), 0, NULL},
+    {"_nbytes", T_PYSSIZET, offsetof(BufferCore, nbytes), 0, NULL},
+    {"_owns", T_BOOL, offsetof(BufferCore, owns), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -166,6 +179,10 @@ static int buffer_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(b->alloc);
     Py_VISIT(b->ctx);
+    Py_VISIT(b->dtype);
+    Py_VISIT(b->hostbytes);
+    Py_VISIT(b->owner);
+    Py_VISIT(b->parent);
     return 0;
 }
 
@@ -173,17 +190,26 @@ static int buffer_clear(PyObject *self) {
     BufferCore *b = (BufferCore *)self;
     Py_CLEAR(b->alloc);
     Py_CLEAR(b->ctx);
+    Py_CLEAR(b->dtype);
+    Py_CLEAR(b->hostbytes);
+    Py_CLEAR(b->owner);
+    Py_CLEAR(b->parent);
     return 0;
 }
 
 static void buffer_dealloc(PyObject *self) { dealloc_core(self, buffer_clear); }
 
+static void buffer_finalize(PyObject *self); /* below, with the kept buffers */
+
 static PyType_Slot buffer_slots[] = {
     {Py_tp_traverse, (void *)buffer_traverse},
     {Py_tp_clear, (void *)buffer_clear},
     {Py_tp_dealloc, (void *)buffer_dealloc},
+    {Py_tp_finalize, (void *)buffer_finalize},
     {Py_tp_members, buffer_members},
-    {Py_tp_doc, "The fields of a buffer that a launch reads (asyncgpu._buffer subclasses this)."},
+    {Py_tp_doc, "The fields of a buffer (asyncgpu._buffer subclasses this); dropping one that "
+                "owns memory gives it back (_release_memory, or in C to its stream's kept "
+                "buffers)."},
     {0, NULL},
 };
 
@@ -192,10 +218,32 @@ static PyType_Spec buffer_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, buffer_slots,
 };
 
+/* ContextCore: the fields of a DeviceContext (defined with its methods below). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *state, *impl, *ref;
+} ContextCore;
+
+static PyTypeObject *context_core_type = NULL;
+
+/* FunctionCore: the fields of a DeviceFunction that a launch reads (its
+ * context, its backend's function, its cached launch configurations), and a
+ * one-entry cache of the last configuration looked up: the geometry it was
+ * looked up by (grid_of, block_of) and what the cache held for it (cfg_of).
+ * asyncgpu._function.DeviceFunction subclasses it. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *ctx, *impl, *cfgs;
+    PyObject *grid_of, *block_of, *cfg_of;
+} FunctionCore;
+
+static PyTypeObject *function_core_type = NULL;
+
 /* 1 if the buffer ``a`` may be used (it owns memory and its context is open),
  * 0 if not (the caller's general path raises the precise error), -1 on error.
- * core: ``a`` is a BufferCore (its fields are read directly). */
-static int usable(PyObject *a, int core) {
+ * core: ``a`` is a BufferCore (its fields are read directly). open_state: a
+ * context state the caller has just found open (enqueue_function's), or NULL. */
+static int usable(PyObject *a, int core, PyObject *open_state) {
     PyObject *o, *ctx, *state, *closed;
     int rc;
     if (core) {
@@ -216,10 +264,23 @@ static int usable(PyObject *a, int core) {
         if (ctx == NULL)
             return -1;
     }
-    state = PyObject_GetAttr(ctx, s_state);
+    if (context_core_type != NULL && PyObject_TypeCheck(ctx, context_core_type)) {
+        state = ((ContextCore *)ctx)->state;
+        if (state == NULL) {
+            Py_DECREF(ctx);
+            return 0;
+        }
+        Py_INCREF(state);
+    } else {
+        state = PyObject_GetAttr(ctx, s_state);
+    }
     Py_DECREF(ctx);
     if (state == NULL)
         return -1;
+    if (state == open_state) {
+        Py_DECREF(state);
+        return 1;
+    }
     closed = PyObject_GetAttr(state, s_closed);
     Py_DECREF(state);
     if (closed == NULL)
@@ -231,14 +292,14 @@ static int usable(PyObject *a, int core) {
 
 /* Write one argument into an 8-byte slot: 0 done, 1 the argument cannot be
  * used here (the general path takes over), -1 with an exception set. */
-static int pack_one(char code, PyObject *a, unsigned char *slot) {
+static int pack_one(char code, PyObject *a, unsigned char *slot, PyObject *open_state) {
     memset(slot, 0, 8);
     switch (code) {
     case A_PTR: {
         PyObject *p;
         unsigned long long v;
         int core = PyObject_TypeCheck(a, buffer_core_type);
-        int rc = usable(a, core);
+        int rc = usable(a, core, open_state);
         if (rc <= 0)
             return rc < 0 ? -1 : 1;
         if (core) {
@@ -342,7 +403,8 @@ static int plan_matches(PyObject *types, PyObject *codes, PyObject *argt) {
 
 /* Pack every argument into its 8-byte slot at data: 0 done, 1 an argument cannot
  * be used here (the general path takes over), -1 with an exception set. */
-static int pack_args(PyObject *codes, PyObject *argt, unsigned long long data) {
+static int pack_args(PyObject *codes, PyObject *argt, unsigned long long data,
+                     PyObject *open_state) {
     const char *code = PyBytes_AsString(codes);
     Py_ssize_t nargs = PyTuple_Size(argt), i;
     if (nargs && data == 0) {
@@ -351,7 +413,7 @@ static int pack_args(PyObject *codes, PyObject *argt, unsigned long long data) {
     }
     for (i = 0; i < nargs; i++) {
         int rc = pack_one(code[i], PyTuple_GetItem(argt, i),
-                          (unsigned char *)(uintptr_t)(data + 8 * i));
+                          (unsigned char *)(uintptr_t)(data + 8 * i), open_state);
         if (rc)
             return rc;
     }
@@ -413,7 +475,7 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         PyErr_SetString(PyExc_ValueError, "launch: no parameter memory");
         return NULL;
     }
-    rc = pack_args(args[4], args[5], data);
+    rc = pack_args(args[4], args[5], data, NULL);
     if (rc)
         return rc < 0 ? NULL : PyLong_FromLong(-1);
     return PyLong_FromLong(launch_and_mark(func, d, st, nargs, ptrs, counter, value));
@@ -612,6 +674,239 @@ static PyType_Spec event_spec = {
 };
 
 /* ---------------------------------------------------------------------------------
+ * RLock: a re-entrant lock with threading.RLock's Python face (acquire, release,
+ * with), which the hot paths below also take and give back in C, without a
+ * Python call: through their bound methods, threading.RLock's acquire parses
+ * its arguments on every call, and cost a launch two fifths of a microsecond
+ * on the development machine. A stream's submit, retire and marker locks are
+ * RLocks where the extension is built. Blocking acquires release the GIL and
+ * wake for signals, as threading's do.
+ */
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    unsigned long owner; /* PyThread_get_thread_ident() of the holder */
+    unsigned long count; /* 0: free */
+} RLockObject;
+
+static PyTypeObject *rlock_type = NULL;
+
+/* 1 taken, 0 not (blocking false, or the timeout passed), -1 with an exception
+ * (a signal handler raised). timeout_us < 0: no timeout. */
+static int rlock_take(RLockObject *l, int blocking, PY_TIMEOUT_T timeout_us) {
+    unsigned long me = PyThread_get_thread_ident();
+    PyLockStatus r;
+    if (l->count > 0 && l->owner == me) {
+        l->count++;
+        return 1;
+    }
+    r = PyThread_acquire_lock_timed(l->lock, 0, 0);
+    while (r != PY_LOCK_ACQUIRED && blocking) {
+        Py_BEGIN_ALLOW_THREADS
+        r = PyThread_acquire_lock_timed(l->lock, timeout_us, 1);
+        Py_END_ALLOW_THREADS
+        if (r != PY_LOCK_INTR)
+            break;
+        if (PyErr_CheckSignals())
+            return -1;
+        /* interrupted, no exception: wait again (for the whole timeout again,
+         * as threading's lock waits for what is left; signals are rare here) */
+    }
+    if (r != PY_LOCK_ACQUIRED)
+        return 0;
+    l->owner = me;
+    l->count = 1;
+    return 1;
+}
+
+static int rlock_give(RLockObject *l) {
+    if (l->count == 0 || l->owner != PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return -1;
+    }
+    if (--l->count == 0) {
+        l->owner = 0;
+        PyThread_release_lock(l->lock);
+    }
+    return 0;
+}
+
+static PyObject *rlock_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwds) {
+    allocfunc alloc;
+    RLockObject *l;
+    if (PyTuple_Size(args) != 0 || (kwds != NULL && PyDict_Size(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "RLock() takes no arguments");
+        return NULL;
+    }
+    alloc = (allocfunc)PyType_GetSlot(tp, Py_tp_alloc);
+    l = (RLockObject *)alloc(tp, 0);
+    if (l == NULL)
+        return NULL;
+    l->lock = PyThread_allocate_lock();
+    if (l->lock == NULL) {
+        Py_DECREF(l);
+        PyErr_SetString(PyExc_MemoryError, "cannot allocate a lock");
+        return NULL;
+    }
+    return (PyObject *)l;
+}
+
+static void rlock_dealloc(PyObject *self) {
+    RLockObject *l = (RLockObject *)self;
+    PyTypeObject *tp = Py_TYPE(self);
+    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    if (l->lock != NULL) {
+        if (l->count > 0)
+            PyThread_release_lock(l->lock);
+        PyThread_free_lock(l->lock);
+    }
+    free_(self);
+    Py_DECREF(tp);
+}
+
+/* acquire(blocking=True, timeout=-1) -> bool */
+static PyObject *rlock_acquire_method(PyObject *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"blocking", "timeout", NULL};
+    int blocking = 1, rc;
+    double timeout = -1;
+    PY_TIMEOUT_T us = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|pd:acquire", names, &blocking, &timeout))
+        return NULL;
+    if (!blocking && timeout != -1) {
+        PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+        return NULL;
+    }
+    if (timeout < 0 && timeout != -1) {
+        PyErr_SetString(PyExc_ValueError, "timeout value must be a non-negative number");
+        return NULL;
+    }
+    if (timeout >= 0) {
+        if (timeout * 1e6 >= (double)PY_TIMEOUT_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+            return NULL;
+        }
+        us = (PY_TIMEOUT_T)(timeout * 1e6);
+    }
+    rc = rlock_take((RLockObject *)self, blocking, us);
+    return rc < 0 ? NULL : PyBool_FromLong(rc);
+}
+
+static PyObject *rlock_enter(PyObject *self, PyObject *unused) {
+    int rc = rlock_take((RLockObject *)self, 1, -1);
+    return rc < 0 ? NULL : PyBool_FromLong(rc);
+}
+
+static PyObject *rlock_release_method(PyObject *self, PyObject *unused) {
+    if (rlock_give((RLockObject *)self))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *rlock_exit(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    return rlock_release_method(self, NULL);
+}
+
+static PyObject *rlock_is_owned(PyObject *self, PyObject *unused) {
+    RLockObject *l = (RLockObject *)self;
+    return PyBool_FromLong(l->count > 0 && l->owner == PyThread_get_thread_ident());
+}
+
+static PyMethodDef rlock_methods[] = {
+    {"acquire", (PyCFunction)(void (*)(void))rlock_acquire_method, METH_VARARGS | METH_KEYWORDS,
+     "acquire(blocking=True, timeout=-1) -> bool, as threading.RLock.acquire."},
+    {"release", rlock_release_method, METH_NOARGS, "Release once (as threading.RLock)."},
+    {"__enter__", rlock_enter, METH_NOARGS, "acquire()"},
+    {"__exit__", (PyCFunction)(void (*)(void))rlock_exit, METH_FASTCALL, "release()"},
+    {"_is_owned", rlock_is_owned, METH_NOARGS, "Whether this thread holds the lock."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot rlock_slots[] = {
+    {Py_tp_new, (void *)rlock_tp_new},
+    {Py_tp_dealloc, (void *)rlock_dealloc},
+    {Py_tp_methods, rlock_methods},
+    {Py_tp_doc, "A re-entrant lock (threading.RLock's methods) that asyncgpu's C hot paths "
+                "take without a Python call."},
+    {0, NULL},
+};
+
+static PyType_Spec rlock_spec = {
+    "asyncgpu._native.RLock", sizeof(RLockObject), 0, Py_TPFLAGS_DEFAULT, rlock_slots,
+};
+
+/* A lock the hot paths hold: an RLock taken directly, any other lock (a
+ * test's threading.Lock) through its bound acquire and release, cached in
+ * *of, *acq, *rel (refreshed when the field holds another lock). */
+typedef struct {
+    PyObject *lock, *release; /* release: NULL for an RLock */
+} Held;
+
+static int cache_methods(PyObject *obj, PyObject **of, PyObject **a, PyObject **b,
+                         PyObject *name_a, PyObject *name_b);
+static int call0(PyObject *fn);
+static PyObject *s_acquire, *s_release; /* (set at module init) */
+
+static int hold(PyObject *lock, PyObject **of, PyObject **acq, PyObject **rel, Held *h) {
+    PyObject *acquire;
+    int rc;
+    if (lock == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncgpu: the stream is not initialised");
+        return -1;
+    }
+    Py_INCREF(lock); /* held while held: a call below may replace the field */
+    h->lock = lock;
+    h->release = NULL;
+    if (Py_TYPE(lock) == rlock_type) {
+        if (rlock_take((RLockObject *)lock, 1, -1) == 1)
+            return 0;
+        Py_DECREF(lock);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "asyncgpu: a lock was not taken");
+        return -1;
+    }
+    if (cache_methods(lock, of, acq, rel, s_acquire, s_release)) {
+        Py_DECREF(lock);
+        return -1;
+    }
+    acquire = *acq;
+    h->release = *rel;
+    Py_INCREF(acquire);
+    Py_INCREF(h->release);
+    rc = call0(acquire);
+    Py_DECREF(acquire);
+    if (rc) {
+        Py_DECREF(h->release);
+        Py_DECREF(lock);
+    }
+    return rc;
+}
+
+/* Give back what hold() took, keeping an exception already set (then -1). */
+static int unhold(Held *h) {
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    int failed = PyErr_Occurred() != NULL, rc = 0;
+    if (failed)
+        PyErr_Fetch(&et, &ev, &tb);
+    if (h->release == NULL) {
+        rc = rlock_give((RLockObject *)h->lock);
+    } else {
+        PyObject *r = PyObject_CallNoArgs(h->release);
+        if (r == NULL)
+            rc = -1;
+        Py_XDECREF(r);
+        Py_DECREF(h->release);
+    }
+    Py_DECREF(h->lock);
+    if (failed) {
+        if (rc)
+            PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+        return -1;
+    }
+    return rc;
+}
+
+/* ---------------------------------------------------------------------------------
  * StreamCore: the bookkeeping fields of a polled stream (_PolledStream and
  * CudaStream subclass it), which the launch below reads and writes directly.
  */
@@ -629,10 +924,13 @@ typedef struct {
         *marks_popleft;
     /* one-entry caches of the launch path (a kernel launched again and again):
      * the last function's handle, the last plan's types and codes, the last
-     * parameter memory's addresses. Each holds the object it was read from, so
+     * parameter memory's addresses, the last launch configuration's dimensions
+     * (cfg_dims, valid when cfg_of is set). Each holds the object it was read from, so
      * the identity test is sound; what is read never changes after __init__. */
-    PyObject *fn_of, *plan_of, *plan_types, *plan_codes, *mem_of;
-    unsigned long long fn_handle, mem_addr, mem_ptrs;
+    PyObject *fn_of, *plan_of, *plan_types, *plan_codes, *mem_of, *cfg_of;
+    /* the device buffers the stream keeps (a SpareCore; NULL or None: none) */
+    PyObject *spare;
+    unsigned long long fn_handle, mem_addr, mem_ptrs, cfg_dims[7];
     long long seq, marked, awaited, issued_mark, counter_mark, done_seq;
     unsigned long long h, caddr;
     char eager, touched, after_copy, counter_in_c, kernel_event_markers;
@@ -668,6 +966,7 @@ static PyMemberDef stream_members[] = {
     {"_marker_lock", T_OBJECT, offsetof(StreamCore, marker_lock), 0, NULL},
     {"_free_events", T_OBJECT, offsetof(StreamCore, free_events), 0, NULL},
     {"_kernel_event_markers", T_BOOL, offsetof(StreamCore, kernel_event_markers), 0, NULL},
+    {"spare", T_OBJECT, offsetof(StreamCore, spare), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -703,6 +1002,8 @@ static int stream_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(s->plan_types);
     Py_VISIT(s->plan_codes);
     Py_VISIT(s->mem_of);
+    Py_VISIT(s->cfg_of);
+    Py_VISIT(s->spare);
     return 0;
 }
 
@@ -737,6 +1038,8 @@ static int stream_clear(PyObject *self) {
     Py_CLEAR(s->plan_types);
     Py_CLEAR(s->plan_codes);
     Py_CLEAR(s->mem_of);
+    Py_CLEAR(s->cfg_of);
+    Py_CLEAR(s->spare);
     return 0;
 }
 
@@ -823,7 +1126,7 @@ static int call_method0(PyObject *obj, PyObject *name) {
 }
 
 static int call0(PyObject *fn) {
-    PyObject *r = PyObject_CallObject(fn, NULL);
+    PyObject *r = PyObject_CallNoArgs(fn);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
@@ -882,40 +1185,23 @@ static int event_handle(PyObject *e, unsigned long long *h) {
     return rc;
 }
 
-static int lock_markers(StreamCore *s) {
-    if (cache_methods(s->marker_lock, &s->mlock_of, &s->macquire, &s->mrelease, s_acquire,
-                      s_release))
-        return -1;
-    return call0(s->macquire);
+static int lock_markers(StreamCore *s, Held *h) {
+    return hold(s->marker_lock, &s->mlock_of, &s->macquire, &s->mrelease, h);
 }
 
 /* Release _marker_lock, keeping an exception already set. */
-static int unlock_markers(StreamCore *s) {
-    PyObject *et, *ev, *tb, *r;
-    int failed = PyErr_Occurred() != NULL;
-    if (failed)
-        PyErr_Fetch(&et, &ev, &tb);
-    r = PyObject_CallObject(s->mrelease, NULL);
-    if (failed) {
-        Py_XDECREF(r);
-        PyErr_Restore(et, ev, tb);
-        return -1;
-    }
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    return 0;
-}
+static int unlock_markers(Held *h) { return unhold(h); }
 
 /* CudaStream._query_copy_marks in C: under _marker_lock, retire the marker events
  * (_copy_marks, in order) that the counter has passed or that cuEventQuery says
  * finished into done_seq; their events go back to _free_events. */
 static int query_marks(StreamCore *s, long long counter) {
+    Held mh;
     int rc = 0;
-    if (lock_markers(s))
+    if (lock_markers(s, &mh))
         return -1;
     if (cache_methods(s->copy_marks, &s->marks_of, &s->marks_popleft, NULL, s_popleft, NULL)) {
-        unlock_markers(s);
+        unlock_markers(&mh);
         return -1;
     }
     for (;;) {
@@ -956,7 +1242,7 @@ static int query_marks(StreamCore *s, long long counter) {
             Py_DECREF(head);
             break;
         }
-        r = PyObject_CallObject(s->marks_popleft, NULL);
+        r = PyObject_CallNoArgs(s->marks_popleft);
         Py_XDECREF(r);
         if (r == NULL || PyList_Append(s->free_events, e)) {
             Py_DECREF(head);
@@ -967,7 +1253,7 @@ static int query_marks(StreamCore *s, long long counter) {
             s->done_seq = seq;
         Py_DECREF(head);
     }
-    if (unlock_markers(s))
+    if (unlock_markers(&mh))
         rc = -1;
     return rc;
 }
@@ -978,31 +1264,32 @@ static int query_marks(StreamCore *s, long long counter) {
  * _copy_marks as (seq, event). */
 static int record_marker(StreamCore *s, long long seq) {
     PyObject *e = NULL, *mark;
+    Held mh;
     Py_ssize_t n;
     unsigned long long h;
     int err;
-    if (lock_markers(s))
+    if (lock_markers(s, &mh))
         return -1;
     n = PyList_Check(s->free_events) ? PyList_Size(s->free_events) : -1;
     if (n < 0) {
         PyErr_SetString(PyExc_TypeError, "asyncgpu: _free_events is a list");
-        return unlock_markers(s), -1;
+        return unlock_markers(&mh), -1;
     }
     if (n > 0) {
         e = PyList_GetItem(s->free_events, n - 1);
         Py_INCREF(e);
         if (PyList_SetSlice(s->free_events, n - 1, n, NULL)) {
             Py_DECREF(e);
-            return unlock_markers(s), -1;
+            return unlock_markers(&mh), -1;
         }
     } else {
         e = PyObject_CallMethodObjArgs((PyObject *)s, s_new_marker_event, NULL);
         if (e == NULL)
-            return unlock_markers(s), -1;
+            return unlock_markers(&mh), -1;
     }
     if (event_handle(e, &h)) {
         Py_DECREF(e);
-        return unlock_markers(s), -1;
+        return unlock_markers(&mh), -1;
     }
     err = p_record((void *)(uintptr_t)h, (void *)(uintptr_t)s->h);
     if (err) {
@@ -1013,23 +1300,23 @@ static int record_marker(StreamCore *s, long long seq) {
         Py_XDECREF(r);
         if (r != NULL)
             PyErr_SetString(PyExc_RuntimeError, "asyncgpu: _driver_error returned");
-        return unlock_markers(s), -1;
+        return unlock_markers(&mh), -1;
     }
     mark = Py_BuildValue("(LN)", seq, e); /* takes the reference to e */
     if (mark == NULL)
-        return unlock_markers(s), -1;
+        return unlock_markers(&mh), -1;
     if (cache_methods(s->copy_marks, &s->marks_of, &s->marks_popleft, NULL, s_popleft, NULL)) {
         Py_DECREF(mark);
-        return unlock_markers(s), -1;
+        return unlock_markers(&mh), -1;
     }
     {
         PyObject *r = PyObject_CallMethodObjArgs(s->copy_marks, s_append, mark, NULL);
         Py_DECREF(mark);
         if (r == NULL)
-            return unlock_markers(s), -1;
+            return unlock_markers(&mh), -1;
         Py_DECREF(r);
     }
-    return unlock_markers(s);
+    return unlock_markers(&mh);
 }
 
 /* _PolledStream._completed: the highest sequence number known to have finished.
@@ -1119,24 +1406,15 @@ static int finish_retired(StreamCore *s, PyObject *o) {
  * finishing an earlier one raised (the first error is raised at the end). */
 static PyObject *stream_retire(PyObject *self, PyObject *unused) {
     StreamCore *s = (StreamCore *)self;
-    PyObject *done = NULL, *racquire, *rrelease, *r;
+    PyObject *done = NULL, *r;
     PyObject *et = NULL, *evv = NULL, *tb = NULL;
+    Held rh;
     long long c;
     Py_ssize_t n, i;
     int empty = 0, failed = 0;
-    if (cache_methods(s->retire_lock, &s->rlock_of, &s->racquire, &s->rrelease, s_acquire,
-                      s_release) ||
-        cache_methods(s->inflight, &s->popdeque_of, &s->popleft, NULL, s_popleft, NULL))
+    if (cache_methods(s->inflight, &s->popdeque_of, &s->popleft, NULL, s_popleft, NULL) ||
+        hold(s->retire_lock, &s->rlock_of, &s->racquire, &s->rrelease, &rh))
         return NULL;
-    racquire = s->racquire;
-    rrelease = s->rrelease;
-    Py_INCREF(racquire);
-    Py_INCREF(rrelease);
-    if (call0(racquire)) {
-        Py_DECREF(racquire);
-        Py_DECREF(rrelease);
-        return NULL;
-    }
     if (completed(s, &c) == 0 && (done = PyList_New(0)) != NULL) {
         for (;;) {
             EventCore *head;
@@ -1156,7 +1434,7 @@ static PyObject *stream_retire(PyObject *self, PyObject *unused) {
                 break;
             }
             Py_DECREF(head);
-            r = PyObject_CallObject(s->popleft, NULL);
+            r = PyObject_CallNoArgs(s->popleft);
             if (r == NULL || PyList_Append(done, r)) {
                 Py_XDECREF(r);
                 failed = 1;
@@ -1169,15 +1447,10 @@ static PyObject *stream_retire(PyObject *self, PyObject *unused) {
     }
     if (failed)
         PyErr_Fetch(&et, &evv, &tb);
-    r = PyObject_CallObject(rrelease, NULL);
-    Py_DECREF(racquire);
-    Py_DECREF(rrelease);
-    if (r == NULL) {
+    if (unhold(&rh)) {
         if (!failed)
             PyErr_Fetch(&et, &evv, &tb);
         failed = 1;
-    } else {
-        Py_DECREF(r);
     }
     if (done != NULL) {
         n = PyList_Size(done);
@@ -1287,7 +1560,8 @@ static int param_addrs(PyObject *mem, unsigned long long *addr, unsigned long lo
 /* The launch proper, under the stream's submit lock: a new event, None (the
  * general path takes it), or NULL with an exception. */
 static PyObject *launch_locked(StreamCore *s, unsigned long long func, const unsigned long long d[7],
-                               PyObject *plan, PyObject *codes, PyObject *argt) {
+                               PyObject *plan, PyObject *codes, PyObject *argt,
+                               PyObject *open_state) {
     PyObject *mem, *o, *ev;
     unsigned long long addr = 0, ptrs = 0;
     long long seq;
@@ -1320,7 +1594,7 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
         }
     }
     if (rc == 0)
-        rc = pack_args(codes, argt, addr);
+        rc = pack_args(codes, argt, addr, open_state);
     Py_DECREF(mem);
     if (rc)
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
@@ -1376,10 +1650,11 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
  * parameter memory on this stream yet, or an argument is not the plan's type
  * or cannot be used (the general path raises the precise error).
  */
-static PyObject *launch_fast(StreamCore *s, unsigned long long func, PyObject *dims,
-                             PyObject *plan, PyObject *argt) {
-    PyObject *types, *codes, *ev, *r;
-    unsigned long long d[7];
+static PyObject *launch_fast(StreamCore *s, unsigned long long func,
+                             const unsigned long long d[7], PyObject *plan, PyObject *argt,
+                             PyObject *open_state) {
+    PyObject *types, *codes, *ev;
+    Held sh;
     int rc;
     if (!is_none(s->pending))
         Py_RETURN_NONE;
@@ -1387,8 +1662,6 @@ static PyObject *launch_fast(StreamCore *s, unsigned long long func, PyObject *d
         PyErr_SetString(PyExc_TypeError, "launch: args is a tuple");
         return NULL;
     }
-    if (parse_dims(dims, d))
-        return NULL;
     if (plan == s->plan_of) {
         types = s->plan_types;
         codes = s->plan_codes;
@@ -1416,34 +1689,14 @@ static PyObject *launch_fast(StreamCore *s, unsigned long long func, PyObject *d
         Py_DECREF(codes);
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     }
-    if (cache_methods(s->submit_lock, &s->lock_of, &s->acquire, &s->release, s_acquire,
-                      s_release) ||
-        cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL)) {
+    if (cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL) ||
+        hold(s->submit_lock, &s->lock_of, &s->acquire, &s->release, &sh)) {
         Py_DECREF(codes);
         return NULL;
     }
-    /* Hold the bound methods: a call below may replace the cached ones. */
-    {
-        PyObject *acquire = s->acquire, *release = s->release;
-        Py_INCREF(acquire);
-        Py_INCREF(release);
-        if (call0(acquire)) {
-            ev = NULL;
-        } else {
-            ev = launch_locked(s, func, d, plan, codes, argt);
-            if (ev == NULL) {
-                PyObject *et, *evv, *tb;
-                PyErr_Fetch(&et, &evv, &tb);
-                r = PyObject_CallObject(release, NULL);
-                Py_XDECREF(r);
-                PyErr_Restore(et, evv, tb);
-            } else if (call0(release)) {
-                Py_CLEAR(ev);
-            }
-        }
-        Py_DECREF(acquire);
-        Py_DECREF(release);
-    }
+    ev = launch_locked(s, func, d, plan, codes, argt, open_state);
+    if (unhold(&sh))
+        Py_CLEAR(ev);
     Py_DECREF(codes);
     if (ev == NULL || ev == Py_None)
         return ev;
@@ -1454,26 +1707,47 @@ static PyObject *launch_fast(StreamCore *s, unsigned long long func, PyObject *d
     return ev;
 }
 
-/* StreamCore.launch(fn, args, cfg, constant_memory) -> DeviceEvent: CudaStream.launch
- * in C. The fast path (launch_fast) when the function has a plan, nothing goes to
- * constant memory and the configuration has plain dimensions; every other launch,
- * and one the fast path hands back, through the stream's _launch. */
-static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    PyObject *impl, *plan = NULL, *dims = NULL, *handle = NULL, *ev = NULL;
+/* CudaStream.launch(fn, args, cfg, constant_memory) -> DeviceEvent, in C. The fast
+ * path (launch_fast) when the function has a plan, nothing goes to constant memory
+ * and the configuration has plain dimensions; every other launch, and one the fast
+ * path hands back, through the stream's _launch. open_state: see usable(). */
+static PyObject *stream_launch(PyObject *self, PyObject *const *args, PyObject *open_state) {
+    StreamCore *s = (StreamCore *)self;
+    PyObject *impl, *plan = NULL, *handle = NULL, *ev = NULL;
     int rc;
-    if (n != 4) {
-        PyErr_SetString(PyExc_TypeError, "launch(fn, args, cfg, constant_memory)");
-        return NULL;
+    if (PyObject_TypeCheck(args[0], function_core_type)) {
+        impl = ((FunctionCore *)args[0])->impl;
+        if (impl == NULL)
+            impl = Py_None;
+        Py_INCREF(impl);
+    } else {
+        impl = PyObject_GetAttr(args[0], s_impl);
+        if (impl == NULL)
+            return NULL;
     }
-    impl = PyObject_GetAttr(args[0], s_impl);
-    if (impl == NULL)
-        return NULL;
     rc = p_launch != NULL && event_type != NULL && impl != Py_None ? PyObject_Not(args[3]) : 0;
+    if (rc == 1 && args[2] != s->cfg_of) {
+        /* the configuration's plain dimensions, read once per configuration */
+        PyObject *dims = PyObject_GetAttr(args[2], s_dims);
+        unsigned long long d[7];
+        if (dims == NULL) {
+            rc = -1;
+        } else if (PyTuple_Check(dims) && PyTuple_Size(dims) == 7) {
+            if (parse_dims(dims, d)) {
+                rc = -1;
+            } else {
+                Py_INCREF(args[2]);
+                replace_ref(&s->cfg_of, args[2]);
+                memcpy(s->cfg_dims, d, sizeof d);
+            }
+        } else {
+            rc = 0; /* a cluster, cooperative or priority launch: the general path */
+        }
+        Py_XDECREF(dims);
+    }
     if (rc == 1) {
-        StreamCore *s = (StreamCore *)self;
         unsigned long long func = s->fn_handle;
         plan = PyObject_GetAttr(impl, s_last);
-        dims = PyObject_GetAttr(args[2], s_dims);
         if (impl != s->fn_of) {
             handle = PyObject_GetAttr(impl, s_handle);
             if (handle == NULL || as_u64(handle, &func)) {
@@ -1484,15 +1758,14 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
                 s->fn_handle = func;
             }
         }
-        if (rc < 0 || plan == NULL || dims == NULL)
+        if (rc < 0 || plan == NULL)
             rc = -1;
-        else if (plan != Py_None && PyTuple_Check(dims) && PyTuple_Size(dims) == 7)
-            ev = launch_fast(s, func, dims, plan, args[1]);
+        else if (plan != Py_None)
+            ev = launch_fast(s, func, s->cfg_dims, plan, args[1], open_state);
         if (rc == 1 && ev == NULL && PyErr_Occurred())
             rc = -1;
     }
     Py_XDECREF(plan);
-    Py_XDECREF(dims);
     Py_XDECREF(handle);
     if (rc < 0) {
         Py_DECREF(impl);
@@ -1509,13 +1782,758 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
     return ev;
 }
 
+/* StreamCore._launch_c(fn, args, cfg, constant_memory): stream_launch. */
+static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 4) {
+        PyErr_SetString(PyExc_TypeError, "launch(fn, args, cfg, constant_memory)");
+        return NULL;
+    }
+    return stream_launch(self, args, NULL);
+}
+
+/* ---------------------------------------------------------------------------------
+ * SpareCore: the device buffers one stream keeps for its next allocation of the
+ * same size (asyncgpu._cuda._SpareBuffers subclasses it; the rules are documented
+ * there). take and keep run no Python code between looking and changing, so the
+ * GIL makes them atomic: a buffer's finalizer may keep memory from any thread,
+ * even while this thread is inside a take (garbage collection).
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *bufs; /* {nbytes: [allocation, ...]}, newest last */
+    long long room, per_size;
+    char closed;
+} SpareCore;
+
+static PyTypeObject *spare_core_type = NULL;
+
+/* A kept allocation of nbytes (a new reference), or NULL: none (no exception
+ * set) or an error (set). */
+static PyObject *spare_take(SpareCore *sp, Py_ssize_t nbytes) {
+    PyObject *key = PyLong_FromSsize_t(nbytes), *list, *a;
+    Py_ssize_t n;
+    if (key == NULL)
+        return NULL;
+    list = sp->bufs == NULL ? NULL : PyDict_GetItemWithError(sp->bufs, key); /* borrowed */
+    Py_DECREF(key);
+    if (list == NULL || !PyList_Check(list) || (n = PyList_Size(list)) <= 0)
+        return NULL;
+    a = PyList_GetItem(list, n - 1);
+    Py_INCREF(a);
+    if (PyList_SetSlice(list, n - 1, n, NULL)) {
+        Py_DECREF(a);
+        return NULL;
+    }
+    sp->room += nbytes;
+    return a;
+}
+
+/* Keep the allocation a of nbytes: 1 kept, 0 not (closed, no room, or as many
+ * of that size as it keeps), -1 with an exception. */
+static int spare_keep(SpareCore *sp, PyObject *a, Py_ssize_t nbytes) {
+    PyObject *key, *list;
+    if (sp->closed || sp->bufs == NULL || nbytes > sp->room)
+        return 0;
+    key = PyLong_FromSsize_t(nbytes);
+    if (key == NULL)
+        return -1;
+    list = PyDict_GetItemWithError(sp->bufs, key); /* borrowed */
+    if (list == NULL) {
+        if (PyErr_Occurred() || (list = PyList_New(0)) == NULL) {
+            Py_DECREF(key);
+            return -1;
+        }
+        if (PyDict_SetItem(sp->bufs, key, list)) {
+            Py_DECREF(list);
+            Py_DECREF(key);
+            return -1;
+        }
+        Py_DECREF(list); /* the dict holds it */
+    }
+    Py_DECREF(key);
+    if (!PyList_Check(list) || PyList_Size(list) >= sp->per_size)
+        return 0;
+    if (PyList_Append(list, a))
+        return -1;
+    sp->room -= nbytes;
+    return 1;
+}
+
+static int as_nbytes(PyObject *o, Py_ssize_t *out) {
+    Py_ssize_t v = PyLong_AsSsize_t(o);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = v;
+    return 0;
+}
+
+/* take(nbytes) -> allocation | None */
+static PyObject *spare_take_method(PyObject *self, PyObject *arg) {
+    Py_ssize_t nbytes;
+    PyObject *a;
+    if (as_nbytes(arg, &nbytes))
+        return NULL;
+    a = spare_take((SpareCore *)self, nbytes);
+    if (a == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return a;
+}
+
+/* keep(allocation, nbytes) -> bool */
+static PyObject *spare_keep_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    Py_ssize_t nbytes;
+    int rc;
+    if (n != 2) {
+        PyErr_SetString(PyExc_TypeError, "keep(allocation, nbytes)");
+        return NULL;
+    }
+    if (as_nbytes(args[1], &nbytes))
+        return NULL;
+    rc = spare_keep((SpareCore *)self, args[0], nbytes);
+    return rc < 0 ? NULL : PyBool_FromLong(rc);
+}
+
+/* _take_all(close) -> [allocation, ...]: every kept allocation, now no longer
+ * kept (the room is whole again); with close, none is kept from now on. */
+static PyObject *spare_take_all(PyObject *self, PyObject *close) {
+    SpareCore *sp = (SpareCore *)self;
+    PyObject *all = PyList_New(0), *key, *list;
+    Py_ssize_t pos = 0;
+    int c = PyObject_IsTrue(close);
+    if (all == NULL || c < 0) {
+        Py_XDECREF(all);
+        return NULL;
+    }
+    if (c)
+        sp->closed = 1;
+    if (sp->bufs == NULL)
+        return all;
+    while (PyDict_Next(sp->bufs, &pos, &key, &list)) {
+        Py_ssize_t n = PyList_Check(list) ? PyList_Size(list) : 0, nbytes;
+        if (n == 0)
+            continue;
+        if (as_nbytes(key, &nbytes) ||
+            PyList_SetSlice(all, PyList_Size(all), PyList_Size(all), list)) {
+            Py_DECREF(all);
+            return NULL;
+        }
+        sp->room += (long long)nbytes * n;
+    }
+    PyDict_Clear(sp->bufs);
+    return all;
+}
+
+static PyObject *spare_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"room", "per_size", NULL};
+    long long room, per_size;
+    SpareCore *sp;
+    allocfunc alloc;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL:SpareCore", names, &room, &per_size))
+        return NULL;
+    alloc = (allocfunc)PyType_GetSlot(tp, Py_tp_alloc);
+    sp = (SpareCore *)alloc(tp, 0);
+    if (sp == NULL)
+        return NULL;
+    sp->bufs = PyDict_New();
+    if (sp->bufs == NULL) {
+        Py_DECREF(sp);
+        return NULL;
+    }
+    sp->room = room;
+    sp->per_size = per_size;
+    return (PyObject *)sp;
+}
+
+static int spare_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(((SpareCore *)self)->bufs);
+    return 0;
+}
+
+static int spare_clear(PyObject *self) {
+    Py_CLEAR(((SpareCore *)self)->bufs);
+    return 0;
+}
+
+static void spare_dealloc(PyObject *self) { dealloc_core(self, spare_clear); }
+
+static PyMemberDef spare_members[] = {
+    {"bufs", T_OBJECT, offsetof(SpareCore, bufs), READONLY, NULL},
+    {"room", T_LONGLONG, offsetof(SpareCore, room), 0, NULL},
+    {"per_size", T_LONGLONG, offsetof(SpareCore, per_size), READONLY, NULL},
+    {"closed", T_BOOL, offsetof(SpareCore, closed), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef spare_methods[] = {
+    {"take", spare_take_method, METH_O, "take(nbytes) -> a kept allocation of nbytes, or None."},
+    {"keep", (PyCFunction)(void (*)(void))spare_keep_method, METH_FASTCALL,
+     "keep(allocation, nbytes) -> bool: whether it is kept (room, per size, not closed)."},
+    {"_take_all", spare_take_all, METH_O,
+     "_take_all(close) -> every kept allocation, no longer kept; with close, keep none "
+     "from now on."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot spare_slots[] = {
+    {Py_tp_new, (void *)spare_tp_new},
+    {Py_tp_methods, spare_methods},
+    {Py_tp_members, spare_members},
+    {Py_tp_traverse, (void *)spare_traverse},
+    {Py_tp_clear, (void *)spare_clear},
+    {Py_tp_dealloc, (void *)spare_dealloc},
+    {Py_tp_doc, "SpareCore(room, per_size): the device buffers a stream keeps "
+                "(asyncgpu._cuda._SpareBuffers subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec spare_spec = {
+    "asyncgpu._native.SpareCore", sizeof(SpareCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, spare_slots,
+};
+
+/* Set by configure_buffers(): asyncgpu's DeviceBuffer and DeviceFunction classes,
+ * the CUDA backend's _DeviceAlloc and CudaStream classes (configure()), _buffer's
+ * as_dtype, and numpy.dtype. */
+static PyTypeObject *device_buffer_type = NULL, *device_alloc_type = NULL,
+                    *function_type = NULL, *cuda_stream_type = NULL, *np_dtype_type = NULL;
+static PyObject *as_dtype_fn = NULL;
+static PyObject *dtype_cache = NULL; /* {dtype argument: (dtype, itemsize)} */
+static int exiting = 0;              /* the interpreter is exiting (set_exiting()) */
+#define DTYPE_CACHE_MAX 256
+static PyObject *s_release_memory, *s_open, *s_trace, *s_grid_dim, *s_block_dim,
+    *s_launch, *s_alloc_ptr, *s_itemsize, *s_general_function, *s_general_create, *empty_tuple;
+
+/* A dropped buffer that owns memory: a device allocation of a CUDA stream goes
+ * back to the stream's kept buffers here, without Python, when the stream keeps
+ * it; everything else through the buffer's _release_memory (the frees, and what
+ * happens once the interpreter exits). A finalizer has nobody to raise to:
+ * _release_memory swallows errors, and what still escapes is reported as
+ * unraisable. */
+static void buffer_finalize(PyObject *self) {
+    BufferCore *b = (BufferCore *)self;
+    PyObject *et, *ev, *tb, *r;
+    if (!b->owns || is_none(b->alloc))
+        return;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (!exiting && device_alloc_type != NULL && Py_TYPE(b->alloc) == device_alloc_type &&
+        b->nbytes > 0 && b->owner != NULL && PyObject_TypeCheck(b->owner, stream_core_type)) {
+        PyObject *sp = ((StreamCore *)b->owner)->spare;
+        if (sp != NULL && PyObject_TypeCheck(sp, spare_core_type)) {
+            int rc = spare_keep((SpareCore *)sp, b->alloc, b->nbytes);
+            if (rc == 1) {
+                Py_CLEAR(b->alloc);
+                PyErr_Restore(et, ev, tb);
+                return;
+            }
+            if (rc < 0)
+                PyErr_Clear(); /* the general path below decides */
+        }
+    }
+    r = PyObject_CallMethodObjArgs(self, s_release_memory, NULL);
+    if (r == NULL)
+        PyErr_WriteUnraisable(self);
+    else
+        Py_DECREF(r);
+    PyErr_Restore(et, ev, tb);
+}
+
+/* FunctionCore (typedef above): DeviceFunction's fields. */
+static PyMemberDef function_members[] = {
+    {"_ctx", T_OBJECT, offsetof(FunctionCore, ctx), 0, NULL},
+    {"_impl", T_OBJECT, offsetof(FunctionCore, impl), 0, NULL},
+    {"_cfgs", T_OBJECT, offsetof(FunctionCore, cfgs), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int function_traverse(PyObject *self, visitproc visit, void *arg) {
+    FunctionCore *f = (FunctionCore *)self;
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(f->ctx);
+    Py_VISIT(f->impl);
+    Py_VISIT(f->cfgs);
+    Py_VISIT(f->grid_of);
+    Py_VISIT(f->block_of);
+    Py_VISIT(f->cfg_of);
+    return 0;
+}
+
+static int function_clear(PyObject *self) {
+    FunctionCore *f = (FunctionCore *)self;
+    Py_CLEAR(f->ctx);
+    Py_CLEAR(f->impl);
+    Py_CLEAR(f->cfgs);
+    Py_CLEAR(f->grid_of);
+    Py_CLEAR(f->block_of);
+    Py_CLEAR(f->cfg_of);
+    return 0;
+}
+
+static void function_dealloc(PyObject *self) { dealloc_core(self, function_clear); }
+
+static PyType_Slot function_slots[] = {
+    {Py_tp_members, function_members},
+    {Py_tp_traverse, (void *)function_traverse},
+    {Py_tp_clear, (void *)function_clear},
+    {Py_tp_dealloc, (void *)function_dealloc},
+    {Py_tp_doc, "The fields of a DeviceFunction that a launch reads (asyncgpu._function "
+                "subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec function_spec = {
+    "asyncgpu._native.FunctionCore", sizeof(FunctionCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, function_slots,
+};
+
+/* ---------------------------------------------------------------------------------
+ * ContextCore: the fields of a DeviceContext (asyncgpu._context.DeviceContext
+ * subclasses it), and the two calls users make thousands of times a second in C:
+ * enqueue_function and enqueue_create_buffer. Each takes the common case itself
+ * and hands every other call, unchanged, to the Python method it stands in for
+ * (DeviceContext._enqueue_function, ._enqueue_create_buffer), which does the
+ * checks and raises the precise errors.
+ */
+static PyMemberDef context_members[] = {
+    {"_state", T_OBJECT, offsetof(ContextCore, state), 0, NULL},
+    {"_impl", T_OBJECT, offsetof(ContextCore, impl), 0, NULL},
+    {"_ref", T_OBJECT, offsetof(ContextCore, ref), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int context_traverse(PyObject *self, visitproc visit, void *arg) {
+    ContextCore *c = (ContextCore *)self;
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(c->state);
+    Py_VISIT(c->impl);
+    Py_VISIT(c->ref);
+    return 0;
+}
+
+static int context_clear(PyObject *self) {
+    ContextCore *c = (ContextCore *)self;
+    Py_CLEAR(c->state);
+    Py_CLEAR(c->impl);
+    Py_CLEAR(c->ref);
+    return 0;
+}
+
+static void context_dealloc(PyObject *self) { dealloc_core(self, context_clear); }
+
+/* 1 when the context is open (state.closed is False and ref.open True), 0 when
+ * not (the general path raises), -1 on error. */
+static int context_open(ContextCore *c) {
+    PyObject *o;
+    int rc;
+    if (c->state == NULL || c->ref == NULL || c->impl == NULL)
+        return 0;
+    o = PyObject_GetAttr(c->state, s_closed);
+    if (o == NULL)
+        return -1;
+    rc = o == Py_False;
+    Py_DECREF(o);
+    if (!rc)
+        return 0;
+    o = PyObject_GetAttr(c->ref, s_open);
+    if (o == NULL)
+        return -1;
+    rc = o == Py_True;
+    Py_DECREF(o);
+    return rc;
+}
+
+/* The Python method `name` of self, called with the same arguments. */
+static PyObject *call_general(PyObject *self, PyObject *name, PyObject *const *args,
+                              Py_ssize_t n, PyObject *kwnames) {
+    PyObject *meth, *t, *kw = NULL, *r = NULL;
+    Py_ssize_t i, nk = kwnames == NULL ? 0 : PyTuple_Size(kwnames);
+    meth = PyObject_GetAttr(self, name);
+    if (meth == NULL)
+        return NULL;
+    t = PyTuple_New(n);
+    if (t == NULL)
+        goto done;
+    for (i = 0; i < n; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SetItem(t, i, args[i]);
+    }
+    if (nk > 0) {
+        kw = PyDict_New();
+        if (kw == NULL)
+            goto done;
+        for (i = 0; i < nk; i++)
+            if (PyDict_SetItem(kw, PyTuple_GetItem(kwnames, i), args[n + i]))
+                goto done;
+    }
+    r = PyObject_Call(meth, t, kw);
+done:
+    Py_DECREF(meth);
+    Py_XDECREF(t);
+    Py_XDECREF(kw);
+    return r;
+}
+
+/* A launch dimension the fast path takes: an int, or a tuple of ints (exactly
+ * those types: a bool, a float or a NumPy integer goes to the general path,
+ * which validates it). */
+static int plain_dims(PyObject *v) {
+    Py_ssize_t i, n;
+    if (PyLong_CheckExact(v))
+        return 1;
+    if (!PyTuple_CheckExact(v))
+        return 0;
+    n = PyTuple_Size(v);
+    for (i = 0; i < n; i++)
+        if (!PyLong_CheckExact(PyTuple_GetItem(v, i)))
+            return 0;
+    return 1;
+}
+
+static int same_name(PyObject *a, PyObject *b) {
+    return a == b || (PyUnicode_Check(a) && PyUnicode_Compare(a, b) == 0);
+}
+
+/* Whether two launch dimensions the fast path takes (plain_dims) are equal. */
+static int same_dims(PyObject *a, PyObject *b) {
+    Py_ssize_t i, n;
+    if (a == b)
+        return 1;
+    if (a == NULL || b == NULL)
+        return 0;
+    if (PyLong_CheckExact(a) && PyLong_CheckExact(b)) {
+        int overflow_a, overflow_b;
+        long long x = PyLong_AsLongLongAndOverflow(a, &overflow_a);
+        long long y = PyLong_AsLongLongAndOverflow(b, &overflow_b);
+        if ((x == -1 || y == -1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        return !overflow_a && !overflow_b && x == y;
+    }
+    if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) || (n = PyTuple_Size(a)) != PyTuple_Size(b))
+        return 0;
+    for (i = 0; i < n; i++)
+        if (!same_dims(PyTuple_GetItem(a, i), PyTuple_GetItem(b, i)))
+            return 0;
+    return 1;
+}
+
+/* The cached launch configuration of f for (grid, block), validated by an
+ * earlier general call (a new reference), or NULL: none yet (no exception set)
+ * or an error. The last one looked up is kept on f: an entry of f._cfgs never
+ * changes once made. */
+static PyObject *cached_config(FunctionCore *f, PyObject *grid, PyObject *block) {
+    PyObject *key, *cfg;
+    if (f->cfg_of != NULL && same_dims(grid, f->grid_of) && same_dims(block, f->block_of)) {
+        Py_INCREF(f->cfg_of);
+        return f->cfg_of;
+    }
+    if (f->cfgs == NULL || !PyDict_Check(f->cfgs))
+        return NULL;
+    key = PyTuple_Pack(4, grid, block, Py_None, Py_None);
+    if (key == NULL)
+        return NULL;
+    cfg = PyDict_GetItemWithError(f->cfgs, key); /* borrowed */
+    Py_DECREF(key);
+    if (cfg == NULL)
+        return NULL;
+    Py_INCREF(grid);
+    replace_ref(&f->grid_of, grid);
+    Py_INCREF(block);
+    replace_ref(&f->block_of, block);
+    Py_INCREF(cfg);
+    replace_ref(&f->cfg_of, cfg);
+    Py_INCREF(cfg);
+    return cfg;
+}
+
+/* enqueue_function's fast path: a new event, Py_None (a new reference: the
+ * general path takes the call), or NULL with an exception. It takes a
+ * DeviceFunction of this context launched with grid_dim and block_dim alone
+ * (ints or tuples of ints), whose launch configuration for them is cached,
+ * while nothing is traced. */
+static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t n,
+                               PyObject *kwnames) {
+    PyObject *grid = NULL, *block = NULL, *o, *cfg, *argt, *ev;
+    FunctionCore *f;
+    Py_ssize_t i;
+    int rc;
+    if (n < 1 || kwnames == NULL || function_type == NULL || PyTuple_Size(kwnames) != 2)
+        Py_RETURN_NONE;
+    for (i = 0; i < 2; i++) {
+        PyObject *name = PyTuple_GetItem(kwnames, i);
+        if (name == s_grid_dim || (name != s_block_dim && same_name(name, s_grid_dim)))
+            grid = args[n + i];
+        else if (same_name(name, s_block_dim))
+            block = args[n + i];
+    }
+    f = (FunctionCore *)args[0];
+    if (grid == NULL || block == NULL || Py_TYPE(args[0]) != function_type ||
+        !plain_dims(grid) || !plain_dims(block))
+        Py_RETURN_NONE;
+    rc = context_open(c);
+    if (rc <= 0)
+        return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    /* compiled for this context */
+    if (f->ctx == NULL || !PyObject_TypeCheck(f->ctx, context_core_type) ||
+        ((ContextCore *)f->ctx)->state != c->state)
+        Py_RETURN_NONE;
+    /* nothing traced (the general path records the launch) */
+    o = PyObject_GetAttr(c->state, s_trace);
+    if (o == NULL)
+        return NULL;
+    rc = o == Py_None;
+    Py_DECREF(o);
+    if (!rc)
+        Py_RETURN_NONE;
+    cfg = cached_config(f, grid, block);
+    if (cfg == NULL)
+        return PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
+    argt = PyTuple_New(n - 1);
+    if (argt == NULL) {
+        Py_DECREF(cfg);
+        return NULL;
+    }
+    for (i = 1; i < n; i++) {
+        Py_INCREF(args[i]);
+        PyTuple_SetItem(argt, i - 1, args[i]);
+    }
+    if (cuda_stream_type != NULL && Py_TYPE(c->impl) == cuda_stream_type) {
+        PyObject *la[4];
+        la[0] = args[0];
+        la[1] = argt;
+        la[2] = cfg;
+        la[3] = empty_tuple;
+        ev = stream_launch(c->impl, la, c->state);
+    } else {
+        ev = PyObject_CallMethodObjArgs(c->impl, s_launch, args[0], argt, cfg, empty_tuple, NULL);
+    }
+    Py_DECREF(argt);
+    Py_DECREF(cfg);
+    return ev;
+}
+
+/* DeviceContext.enqueue_function, where the extension is built. */
+static PyObject *context_enqueue_function(PyObject *self, PyObject *const *args, Py_ssize_t n,
+                                          PyObject *kwnames) {
+    PyObject *ev = function_fast((ContextCore *)self, args, n, kwnames);
+    if (ev != Py_None)
+        return ev;
+    Py_DECREF(ev);
+    return call_general(self, s_general_function, args, n, kwnames);
+}
+
+/* (dtype, itemsize) of a dtype argument (borrowed, from the cache), or NULL:
+ * not one the cache takes (no exception set) or an error (set). The cache keeps
+ * what as_dtype made of types and strings; a NumPy dtype stands for itself. */
+static PyObject *cached_dtype(PyObject *key) {
+    PyObject *entry, *dt, *size;
+    int is_dtype = np_dtype_type != NULL && PyObject_TypeCheck(key, np_dtype_type);
+    if (dtype_cache == NULL || as_dtype_fn == NULL ||
+        !(is_dtype || PyType_Check(key) || PyUnicode_CheckExact(key)))
+        return NULL;
+    entry = PyDict_GetItemWithError(dtype_cache, key);
+    if (entry != NULL) {
+        /* equal dtypes may differ (metadata): only the same object is a hit */
+        if (is_dtype && PyTuple_GetItem(entry, 0) != key)
+            return NULL;
+        return entry;
+    }
+    if (PyErr_Occurred())
+        return NULL;
+    dt = PyObject_CallFunctionObjArgs(as_dtype_fn, key, NULL); /* raises for a bad dtype */
+    if (dt == NULL)
+        return NULL;
+    size = PyObject_GetAttr(dt, s_itemsize);
+    if (size == NULL) {
+        Py_DECREF(dt);
+        return NULL;
+    }
+    entry = PyTuple_Pack(2, dt, size);
+    Py_DECREF(dt);
+    Py_DECREF(size);
+    if (entry == NULL)
+        return NULL;
+    if (PyDict_Size(dtype_cache) < DTYPE_CACHE_MAX && PyDict_SetItem(dtype_cache, key, entry)) {
+        Py_DECREF(entry);
+        return NULL;
+    }
+    Py_DECREF(entry); /* the cache holds it, or: see below */
+    entry = PyDict_GetItemWithError(dtype_cache, key);
+    if (entry == NULL && !PyErr_Occurred())
+        return NULL; /* the cache is full: the general path */
+    return entry;
+}
+
+/* enqueue_create_buffer's fast path: a DeviceBuffer on memory the current CUDA
+ * stream kept (no driver call, no Python), Py_None (a new reference: the
+ * general path takes the call), or NULL with an exception. */
+static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *size) {
+    PyObject *entry, *sp, *a, *o;
+    Py_ssize_t count, itemsize, nbytes;
+    unsigned long long ptr;
+    BufferCore *b;
+    allocfunc alloc;
+    int rc;
+    if (device_buffer_type == NULL || device_alloc_type == NULL || !PyLong_CheckExact(size) ||
+        c->impl == NULL || !PyObject_TypeCheck(c->impl, stream_core_type))
+        Py_RETURN_NONE;
+    sp = ((StreamCore *)c->impl)->spare;
+    if (sp == NULL || !PyObject_TypeCheck(sp, spare_core_type))
+        Py_RETURN_NONE;
+    rc = context_open(c);
+    if (rc <= 0)
+        return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    entry = cached_dtype(dtype);
+    if (entry == NULL)
+        return PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
+    count = PyLong_AsSsize_t(size);
+    itemsize = PyLong_AsSsize_t(PyTuple_GetItem(entry, 1));
+    if ((count == -1 || itemsize == -1) && PyErr_Occurred()) {
+        PyErr_Clear(); /* too large for memory: the general path says so */
+        Py_RETURN_NONE;
+    }
+    if (count <= 0 || itemsize <= 0 || count > PY_SSIZE_T_MAX / itemsize)
+        Py_RETURN_NONE;
+    nbytes = count * itemsize;
+    a = spare_take((SpareCore *)sp, nbytes);
+    if (a == NULL)
+        return PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
+    o = Py_TYPE(a) == device_alloc_type ? PyObject_GetAttr(a, s_alloc_ptr) : NULL;
+    if (o == NULL || as_u64(o, &ptr)) {
+        int failed = PyErr_Occurred() != NULL;
+        Py_XDECREF(o);
+        if (spare_keep((SpareCore *)sp, a, nbytes) != 1 || failed) {
+            /* kept again for the general path, or: an error to raise */
+            Py_DECREF(a);
+            return failed || PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
+        }
+        Py_DECREF(a);
+        Py_RETURN_NONE;
+    }
+    Py_DECREF(o);
+    alloc = (allocfunc)PyType_GetSlot(device_buffer_type, Py_tp_alloc);
+    b = (BufferCore *)alloc(device_buffer_type, 0);
+    if (b == NULL) {
+        if (spare_keep((SpareCore *)sp, a, nbytes) < 0)
+            PyErr_Clear();
+        Py_DECREF(a);
+        return NULL;
+    }
+    /* as _BufferBase.__init__(ctx, alloc, dtype, size, owner) sets them */
+    b->alloc = a;
+    Py_INCREF(c);
+    b->ctx = (PyObject *)c;
+    b->dtype = PyTuple_GetItem(entry, 0);
+    Py_INCREF(b->dtype);
+    b->owner = c->impl;
+    Py_INCREF(b->owner);
+    b->ptr = ptr;
+    b->size = count;
+    b->nbytes = nbytes;
+    b->owns = 1;
+    return (PyObject *)b;
+}
+
+/* DeviceContext.enqueue_create_buffer, where the extension is built. */
+static PyObject *context_enqueue_create_buffer(PyObject *self, PyObject *const *args,
+                                               Py_ssize_t n, PyObject *kwnames) {
+    if (n == 2 && kwnames == NULL) {
+        PyObject *b = create_buffer_fast((ContextCore *)self, args[0], args[1]);
+        if (b != Py_None)
+            return b;
+        Py_DECREF(b);
+    }
+    return call_general(self, s_general_create, args, n, kwnames);
+}
+
+static PyMethodDef context_methods[] = {
+    {"_enqueue_function_c", (PyCFunction)(void (*)(void))context_enqueue_function,
+     METH_FASTCALL | METH_KEYWORDS,
+     "DeviceContext.enqueue_function in C: a compiled function of this context launched "
+     "with grid_dim and block_dim seen before, untraced; every other call goes to "
+     "DeviceContext._enqueue_function."},
+    {"_enqueue_create_buffer_c", (PyCFunction)(void (*)(void))context_enqueue_create_buffer,
+     METH_FASTCALL | METH_KEYWORDS,
+     "DeviceContext.enqueue_create_buffer in C: memory the current CUDA stream kept; every "
+     "other call goes to DeviceContext._enqueue_create_buffer."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot context_slots[] = {
+    {Py_tp_methods, context_methods},
+    {Py_tp_members, context_members},
+    {Py_tp_traverse, (void *)context_traverse},
+    {Py_tp_clear, (void *)context_clear},
+    {Py_tp_dealloc, (void *)context_dealloc},
+    {Py_tp_doc, "The fields of a DeviceContext and its hot paths (asyncgpu._context "
+                "subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec context_spec = {
+    "asyncgpu._native.ContextCore", sizeof(ContextCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, context_slots,
+};
+
+static int set_type(PyTypeObject **slot, PyObject *o, const char *what) {
+    if (!PyType_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "configure: %s is a class", what);
+        return -1;
+    }
+    Py_INCREF(o);
+    replace_ref((PyObject **)slot, o);
+    return 0;
+}
+
+/* configure_buffers(device_buffer_type, function_type, as_dtype, numpy_dtype):
+ * what the context's fast paths create and check (asyncgpu._context, at import). */
+static PyObject *configure_buffers(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure_buffers(device_buffer_type, function_type, as_dtype, "
+                        "numpy_dtype)");
+        return NULL;
+    }
+    if (!PyType_Check(args[0]) || !PyType_IsSubtype((PyTypeObject *)args[0], buffer_core_type)) {
+        PyErr_SetString(PyExc_TypeError, "configure_buffers: the buffer type subclasses BufferCore");
+        return NULL;
+    }
+    if (!PyType_Check(args[1]) ||
+        !PyType_IsSubtype((PyTypeObject *)args[1], function_core_type)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure_buffers: the function type subclasses FunctionCore");
+        return NULL;
+    }
+    if (set_type(&device_buffer_type, args[0], "device_buffer_type") ||
+        set_type(&function_type, args[1], "function_type") ||
+        set_type(&np_dtype_type, args[3], "numpy_dtype"))
+        return NULL;
+    Py_INCREF(args[2]);
+    replace_ref(&as_dtype_fn, args[2]);
+    PyDict_Clear(dtype_cache);
+    Py_RETURN_NONE;
+}
+
+/* set_exiting(flag): whether the interpreter is exiting (set at exit): then a
+ * dropped buffer's memory is never kept here, but given to _release_memory
+ * (which abandons it; see _BufferBase). */
+static PyObject *set_exiting(PyObject *self, PyObject *flag) {
+    int v = PyObject_IsTrue(flag);
+    if (v < 0)
+        return NULL;
+    exiting = v;
+    Py_RETURN_NONE;
+}
+
 /* configure(event_type, sweep_later, mark_every): the DeviceEvent class (a
  * subclass of EventCore) that a launch creates, the watcher's sweep_later,
  * and _PolledStream.MARK_EVERY. */
 static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     long long every;
-    if (n != 3) {
-        PyErr_SetString(PyExc_TypeError, "configure(event_type, sweep_later, mark_every)");
+    if (n != 3 && n != 5) {
+        PyErr_SetString(PyExc_TypeError, "configure(event_type, sweep_later, mark_every"
+                                         "[, cuda_stream_type, device_alloc_type])");
         return NULL;
     }
     if (!PyType_Check(args[0]) ||
@@ -1529,6 +2547,16 @@ static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     if (every < 1) {
         PyErr_SetString(PyExc_ValueError, "configure: mark_every is at least 1");
         return NULL;
+    }
+    if (n == 5) {
+        if (!PyType_Check(args[3]) ||
+            !PyType_IsSubtype((PyTypeObject *)args[3], stream_core_type)) {
+            PyErr_SetString(PyExc_TypeError, "configure: the stream type subclasses StreamCore");
+            return NULL;
+        }
+        if (set_type(&cuda_stream_type, args[3], "cuda_stream_type") ||
+            set_type(&device_alloc_type, args[4], "device_alloc_type"))
+            return NULL;
     }
     Py_INCREF(args[0]);
     replace_ref((PyObject **)&event_type, args[0]);
@@ -1550,7 +2578,14 @@ static PyMethodDef methods[] = {
      "launch(func, dims, stream, types, codes, args, data, pointers[, counter, value]) "
      "-> CUresult (or -1: an argument's type is not the plan's; nothing launched)."},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
-     "configure(event_type, sweep_later, mark_every): what StreamCore._launch_c creates and calls."},
+     "configure(event_type, sweep_later, mark_every[, cuda_stream_type, device_alloc_type]): "
+     "what StreamCore._launch_c creates and calls, and the CUDA classes the context's fast "
+     "paths take."},
+    {"configure_buffers", (PyCFunction)(void (*)(void))configure_buffers, METH_FASTCALL,
+     "configure_buffers(device_buffer_type, function_type, as_dtype, numpy_dtype): what the "
+     "context's fast paths create and check."},
+    {"set_exiting", set_exiting, METH_O,
+     "set_exiting(flag): the interpreter is exiting: dropped buffers keep no memory."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1590,11 +2625,25 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_codes = intern("codes");
     s_addr = intern("addr");
     s_pointers = intern("pointers");
+    s_release_memory = intern("_release_memory");
+    s_open = intern("open");
+    s_trace = intern("trace");
+    s_grid_dim = intern("grid_dim");
+    s_block_dim = intern("block_dim");
+    s_launch = intern("launch");
+    s_alloc_ptr = intern("ptr");
+    s_itemsize = intern("itemsize");
+    s_general_function = intern("_enqueue_function");
+    s_general_create = intern("_enqueue_create_buffer");
+    empty_tuple = PyTuple_New(0);
+    dtype_cache = PyDict_New();
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
         !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
         !s_finish_retired || !s_completed_slow || !s_need || !s_impl || !s_last ||
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
-        !s_codes || !s_addr || !s_pointers)
+        !s_codes || !s_addr || !s_pointers || !s_release_memory || !s_open || !s_trace ||
+        !s_grid_dim || !s_block_dim || !s_launch || !s_alloc_ptr || !s_itemsize ||
+        !s_general_function || !s_general_create || !empty_tuple || !dtype_cache)
         return NULL;
     event_core_type = (PyTypeObject *)PyType_FromSpec(&event_spec);
     if (event_core_type == NULL)
@@ -1605,16 +2654,36 @@ PyMODINIT_FUNC PyInit__native(void) {
     buffer_core_type = (PyTypeObject *)PyType_FromSpec(&buffer_spec);
     if (buffer_core_type == NULL)
         return NULL;
+    spare_core_type = (PyTypeObject *)PyType_FromSpec(&spare_spec);
+    if (spare_core_type == NULL)
+        return NULL;
+    context_core_type = (PyTypeObject *)PyType_FromSpec(&context_spec);
+    if (context_core_type == NULL)
+        return NULL;
+    function_core_type = (PyTypeObject *)PyType_FromSpec(&function_spec);
+    if (function_core_type == NULL)
+        return NULL;
+    rlock_type = (PyTypeObject *)PyType_FromSpec(&rlock_spec);
+    if (rlock_type == NULL)
+        return NULL;
     m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     Py_INCREF(event_core_type);
     Py_INCREF(stream_core_type);
     Py_INCREF(buffer_core_type);
+    Py_INCREF(spare_core_type);
+    Py_INCREF(context_core_type);
+    Py_INCREF(function_core_type);
+    Py_INCREF(rlock_type);
     if (PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0 ||
         PyModule_AddObject(m, "EventCore", (PyObject *)event_core_type) < 0 ||
         PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0 ||
-        PyModule_AddObject(m, "BufferCore", (PyObject *)buffer_core_type) < 0) {
+        PyModule_AddObject(m, "BufferCore", (PyObject *)buffer_core_type) < 0 ||
+        PyModule_AddObject(m, "SpareCore", (PyObject *)spare_core_type) < 0 ||
+        PyModule_AddObject(m, "ContextCore", (PyObject *)context_core_type) < 0 ||
+        PyModule_AddObject(m, "FunctionCore", (PyObject *)function_core_type) < 0 ||
+        PyModule_AddObject(m, "RLock", (PyObject *)rlock_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

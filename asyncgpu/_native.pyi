@@ -18,7 +18,14 @@ def launch(
     value: int = ...,
     /,
 ) -> int: ...
-def configure(event_type: type[EventCore], sweep_later: object, mark_every: int, /) -> None: ...
+def configure(
+    event_type: type[EventCore],
+    sweep_later: object,
+    mark_every: int,
+    cuda_stream_type: type = ...,
+    device_alloc_type: type = ...,
+    /,
+) -> None: ...
 
 class EventCore:
     """The fields of a DeviceEvent (asyncgpu._event subclasses this)."""
@@ -38,8 +45,57 @@ class StreamCore:
     def _retire(self) -> bool: ...
 
 class BufferCore:
-    """The fields of a buffer that a launch reads (asyncgpu._buffer subclasses this)."""
+    """The fields of a buffer (asyncgpu._buffer subclasses this)."""
 
     _alloc: object
     _ctx: object
+    _dtype: object
+    _hostbytes: object
+    _owner: object
+    _parent: object
     _ptr: int
+    _size: int
+    _nbytes: int
+    _owns: bool
+
+class SpareCore:
+    """SpareCore(room, per_size): the device buffers a stream keeps."""
+
+    bufs: dict[int, list[object]]
+    room: int
+    per_size: int
+    closed: bool
+    def __new__(cls, room: int, per_size: int) -> SpareCore: ...
+    def take(self, nbytes: int, /) -> object | None: ...
+    def keep(self, allocation: object, nbytes: int, /) -> bool: ...
+    def _take_all(self, close: bool, /) -> list[object]: ...
+
+class FunctionCore:
+    """The fields of a DeviceFunction that a launch reads."""
+
+    _ctx: object
+    _impl: object
+    _cfgs: dict[object, object]
+
+class ContextCore:
+    """The fields of a DeviceContext and its hot paths."""
+
+    _state: object
+    _impl: object
+    _ref: object
+    def _enqueue_function_c(self, f: object, /, *args: object, **kwargs: object) -> object: ...
+    def _enqueue_create_buffer_c(self, dtype: object, size: object, /) -> object: ...
+
+class RLock:
+    """A re-entrant lock (threading.RLock's methods) the C hot paths take directly."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+    def release(self) -> None: ...
+    def __enter__(self) -> bool: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def _is_owned(self) -> bool: ...
+
+def configure_buffers(
+    device_buffer_type: type, function_type: type, as_dtype: object, numpy_dtype: type, /
+) -> None: ...
+def set_exiting(flag: bool, /) -> None: ...

@@ -26,7 +26,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from . import _engine
-from ._accel import c_base, native
+from ._accel import c_base, hot_lock, native
 from ._errors import DeviceError, DeviceFaultError
 from ._event import DeviceEvent, _loop_waiter
 
@@ -267,9 +267,10 @@ class _PolledStream(_StreamImpl, _StreamBase):
         self._eager = False  # place a marker after every operation
         self._touched = False  # submitted to since the watcher's last sweep
         self._inflight: deque[DeviceEvent] = deque()
-        # Re-entrant: interop helpers submit under a caller's hold of it.
-        self._submit_lock = threading.RLock()
-        self._retire_lock = threading.Lock()
+        # Re-entrant: interop helpers submit under a caller's hold of it. (Both
+        # are the extension's RLock where it is built: its C code takes them.)
+        self._submit_lock = hot_lock()
+        self._retire_lock = hot_lock()
         self._fault: BaseException | None = None
         self._pending: deque[Any] | None = None  # not None: held (see the class doc)
         self._issued_mark = 0

@@ -213,6 +213,23 @@ def test_the_queue_count_follows_the_drivers_variable(monkeypatch, value, limit)
 
 
 # -- device buffers a stream keeps for its next allocation (``_SpareBuffers``) ----------------
+# In C where the extension is built (``SpareCore``: the context's enqueue_create_buffer
+# and a dropped device buffer use it without Python), else ``_SpareFields``: both
+# must keep the same rules.
+
+
+class _PySpare(cuda._SpareFields):
+    __slots__ = ()
+    kept = cuda._SpareBuffers.kept
+    free = cuda._SpareBuffers.free
+
+
+@pytest.fixture(params=["extension", "python"])
+def new_spare(request):
+    if request.param == "extension" and cuda._SpareBuffers.__mro__[1] is cuda._SpareFields:
+        pytest.skip("asyncgpu._native is not built")
+    cls = cuda._SpareBuffers if request.param == "extension" else _PySpare
+    return lambda: cls(cuda._SPARE_BYTES, cuda._SPARE_PER_SIZE)
 
 
 class _Buf:
@@ -226,49 +243,69 @@ class _Buf:
         self.freed_on = stream
 
 
-def test_a_kept_buffer_goes_to_the_next_allocation_of_its_size_newest_first() -> None:
-    spare = cuda._SpareBuffers()
-    a, b = _Buf(), _Buf()
+class _Alloc:
+    """Stands in for a kept ``_DeviceAlloc``: records the stream it was freed on."""
+
+    def __init__(self) -> None:
+        self.freed_on: object = None
+
+    def free_on(self, stream: object) -> None:
+        self.freed_on = stream
+
+
+def test_a_kept_allocation_goes_to_the_next_allocation_of_its_size_newest_first(
+    new_spare,
+) -> None:
+    spare = new_spare()
+    a, b = _Alloc(), _Alloc()
     assert spare.keep(a, 1024) and spare.keep(b, 1024)
     assert spare.take(2048) is None  # another size: nothing kept
     assert spare.take(1024) is b
     assert spare.take(1024) is a
     assert spare.take(1024) is None
+    assert not spare.kept() and spare.room == cuda._SPARE_BYTES
 
 
-def test_a_stream_keeps_at_most_four_of_a_size_and_64_mib_in_all() -> None:
-    spare = cuda._SpareBuffers()
-    assert all(spare.keep(_Buf(), 4096) for _ in range(cuda._SPARE_PER_SIZE))
-    assert not spare.keep(_Buf(), 4096)
-    assert not spare.keep(_Buf(), cuda._SPARE_BYTES)  # more than the room left
+def test_a_stream_keeps_at_most_four_of_a_size_and_64_mib_in_all(new_spare) -> None:
+    spare = new_spare()
+    assert all(spare.keep(_Alloc(), 4096) for _ in range(cuda._SPARE_PER_SIZE))
+    assert not spare.keep(_Alloc(), 4096)
+    assert not spare.keep(_Alloc(), cuda._SPARE_BYTES)  # more than the room left
     assert spare.take(4096) is not None
     assert spare.room == cuda._SPARE_BYTES - (cuda._SPARE_PER_SIZE - 1) * 4096
 
 
-def test_freeing_kept_buffers_closes_them_on_the_stream_and_a_closed_stream_keeps_none() -> None:
-    spare = cuda._SpareBuffers()
-    bufs = [_Buf() for _ in range(3)]
-    for i, b in enumerate(bufs):
-        spare.keep(b, 256 * (i + 1))
+def test_freeing_kept_allocations_frees_them_on_the_stream_and_a_closed_stream_keeps_none(
+    new_spare,
+) -> None:
+    spare = new_spare()
+    allocs = [_Alloc() for _ in range(3)]
+    for i, a in enumerate(allocs):
+        spare.keep(a, 256 * (i + 1))
     stream = object()
     spare.free(stream, False)  # memory ran short: freed, and the stream goes on keeping
-    assert [b.freed_on for b in bufs] == [stream] * 3
-    assert not spare.bufs and spare.room == cuda._SPARE_BYTES
-    assert spare.keep(_Buf(), 256)
+    assert [a.freed_on for a in allocs] == [stream] * 3
+    assert not spare.bufs and spare.room == cuda._SPARE_BYTES and not spare.closed
+    assert spare.keep(_Alloc(), 256)
     spare.free(stream, True)  # the stream closes
-    assert not spare.keep(_Buf(), 256) and not spare.bufs
+    assert spare.closed
+    assert not spare.keep(_Alloc(), 256) and not spare.bufs
+    assert spare.room == cuda._SPARE_BYTES
 
 
-def test_a_finalizer_that_runs_inside_take_does_not_deadlock() -> None:
+def test_without_the_extension_a_finalizer_that_runs_inside_take_does_not_deadlock() -> None:
     """A buffer's finalizer may run on a thread that already holds the lock (garbage
-    collection inside ``take``): the lock is reentrant."""
-    spare = cuda._SpareBuffers()
+    collection inside ``take``): the Python fallback's lock is reentrant. (The C
+    type runs no Python code inside take or keep: the GIL makes them atomic.)"""
+    spare = _PySpare(cuda._SPARE_BYTES, cuda._SPARE_PER_SIZE)
     with spare.lock:
-        assert spare.keep(_Buf(), 64)
+        assert spare.keep(_Alloc(), 64)
         assert spare.take(64) is not None
 
 
-def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_one() -> None:
+def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_one(
+    new_spare,
+) -> None:
     class _Backend:
         _core_device = type("Dev", (), {"default_stream": "device default stream"})()
 
@@ -277,15 +314,20 @@ def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_on
 
     class _Stream:
         def __init__(self) -> None:
-            self.spare = cuda._SpareBuffers()
+            self.spare = new_spare()
             self.is_closed = False
             self.cs = "stream"
 
     s = _Stream()
     kept = _Buf()
-    cuda._DeviceAlloc(_Backend(), kept, None, 512).release(s)
-    assert kept.freed_on is None and s.spare.take(512) is kept
+    alloc = cuda._DeviceAlloc(_Backend(), kept, None, 512)
+    alloc.release(s)
+    # The allocation itself is kept (its cuda.core buffer still in it) and is what
+    # the stream's next allocation of 512 bytes gets.
+    assert kept.freed_on is None and alloc.buf is kept and s.spare.take(512) is alloc
+    s.spare.keep(alloc, 512)
     s.spare.free(s.cs, True)
+    assert kept.freed_on == "stream" and alloc.buf is None
     s.is_closed = True
     late = _Buf()
     cuda._DeviceAlloc(_Backend(), late, None, 512).release(s)
@@ -363,7 +405,8 @@ def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> Non
             self.freed += 1
             return self.kept
 
-    stream = type("S", (), {"spare": cuda._SpareBuffers(), "cs": "stream"})()
+    spare = cuda._SpareBuffers(cuda._SPARE_BYTES, cuda._SPARE_PER_SIZE)
+    stream = type("S", (), {"spare": spare, "cs": "stream"})()
     b = _Backend(failures=1, kept=True)
     alloc = cuda.CudaBackend.alloc_device(b, 4096, stream)
     assert alloc.nbytes == 4096 and alloc.buf is not None and b.freed == 1
