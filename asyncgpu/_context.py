@@ -77,7 +77,19 @@ def default_api() -> str:
     return "cuda" if _cuda_available() else "cpu"
 
 
-class _ContextState:
+class _StateFields:
+    """Where the C extension is built, a context state's ``closed`` and ``trace``
+    are fields of ``asyncgpu._native.StateCore``, which the C hot paths read
+    directly; here they are plain attributes."""
+
+
+if TYPE_CHECKING:
+    _StateBase = _StateFields
+else:
+    _StateBase = c_base("StateCore", _StateFields)
+
+
+class _ContextState(_StateBase):
     """What all views (and copies) of one device context share."""
 
     def __init__(self, api: str, device_id: int, num_streams: int) -> None:
@@ -149,10 +161,24 @@ class _ContextState:
                 self.backend.close()
 
 
-class _Ref:
-    """One reference to a context state (a handle and the views made from it)."""
+class _RefFields:
+    """Whether a reference is open (``asyncgpu._native.RefCore``'s field where the
+    C extension is built)."""
 
     __slots__ = ("open",)
+
+
+if TYPE_CHECKING:
+    _RefBase = _RefFields
+else:
+    _RefBase = c_base("RefCore", _RefFields)
+
+
+class _Ref(_RefBase):
+    """One reference to a context state (a handle and the views made from it)."""
+
+    __slots__ = ()
+    open: bool
 
     def __init__(self) -> None:
         self.open = True

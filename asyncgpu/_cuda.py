@@ -72,6 +72,7 @@ _STAGE_SLOTS = 3
 # ``_SpareBuffers``): at most this many bytes per stream, this many per size.
 _SPARE_BYTES = 64 << 20
 _SPARE_PER_SIZE = 4
+_SPARE_SIZES = 16  # sizes a stream keeps at once (SPARE_SIZES in _native.c)
 _STICKY = {
     cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,
     cu.CUresult.CUDA_ERROR_LAUNCH_FAILED,
@@ -272,14 +273,20 @@ class _SpareFields:
             if not bufs:
                 return None
             alloc = bufs.pop()
+            if not bufs:
+                del self.bufs[nbytes]
             self.room += nbytes
             return alloc
 
     def keep(self, alloc: Any, nbytes: int) -> bool:
         with self.lock:
-            if self.closed or nbytes > self.room:
+            if self.closed or nbytes <= 0 or nbytes > self.room:
                 return False
-            bufs = self.bufs.setdefault(nbytes, [])
+            bufs = self.bufs.get(nbytes)
+            if bufs is None:
+                if len(self.bufs) >= _SPARE_SIZES:
+                    return False
+                bufs = self.bufs[nbytes] = []
             if len(bufs) >= self.per_size:
                 return False
             bufs.append(alloc)
@@ -305,8 +312,9 @@ class _SpareBuffers(_SpareBase):
     """Device allocations of a stream, released and kept for the stream's next
     allocation of the same size, so that a buffer created and dropped again and
     again costs no driver call and no new allocation object: at most ``per_size``
-    of one size and ``room`` bytes in all (``_SpareBuffers(room, per_size)``; a
-    stream keeps ``_SPARE_BYTES`` and ``_SPARE_PER_SIZE``).
+    of one size, ``_SPARE_SIZES`` sizes and ``room`` bytes in all
+    (``_SpareBuffers(room, per_size)``; a stream keeps ``_SPARE_BYTES`` and
+    ``_SPARE_PER_SIZE``). ``bufs`` is what is kept, ``{nbytes: [allocation, ...]}``.
 
     Safe for the same reason the driver's stream-ordered pool is: an allocation
     comes here only once the device has finished every operation that used it
@@ -320,7 +328,7 @@ class _SpareBuffers(_SpareBase):
 
     def kept(self) -> bool:
         """Whether any allocation is kept."""
-        return any(self.bufs.values())
+        return bool(self.bufs)
 
     def free(self, cs: Any, close: bool) -> None:
         """Free every kept allocation on ``cs`` (the owning stream, still alive);

@@ -218,6 +218,38 @@ static PyType_Spec buffer_spec = {
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, buffer_slots,
 };
 
+/* StateCore: the fields of a context's shared state that every enqueue reads
+ * (asyncgpu._context._ContextState subclasses it): closed, and the trace being
+ * recorded (None: none). RefCore: whether one reference to a context is open
+ * (_Ref subclasses it). Either may be another object in tests: their fields are
+ * then attributes, read by name. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *trace;
+    char closed;
+} StateCore;
+
+typedef struct {
+    PyObject_HEAD
+    char open;
+} RefCore;
+
+static PyTypeObject *state_core_type = NULL, *ref_core_type = NULL;
+
+/* 1 when the state is closed, 0 when open, -1 on error. */
+static int state_closed(PyObject *state) {
+    PyObject *o;
+    int rc;
+    if (PyObject_TypeCheck(state, state_core_type))
+        return ((StateCore *)state)->closed;
+    o = PyObject_GetAttr(state, s_closed);
+    if (o == NULL)
+        return -1;
+    rc = PyObject_IsTrue(o);
+    Py_DECREF(o);
+    return rc;
+}
+
 /* ContextCore: the fields of a DeviceContext (defined with its methods below). */
 typedef struct {
     PyObject_HEAD
@@ -244,7 +276,7 @@ static PyTypeObject *function_core_type = NULL;
  * core: ``a`` is a BufferCore (its fields are read directly). open_state: a
  * context state the caller has just found open (enqueue_function's), or NULL. */
 static int usable(PyObject *a, int core, PyObject *open_state) {
-    PyObject *o, *ctx, *state, *closed;
+    PyObject *o, *ctx, *state;
     int rc;
     if (core) {
         BufferCore *b = (BufferCore *)a;
@@ -281,13 +313,9 @@ static int usable(PyObject *a, int core, PyObject *open_state) {
         Py_DECREF(state);
         return 1;
     }
-    closed = PyObject_GetAttr(state, s_closed);
+    rc = state_closed(state);
     Py_DECREF(state);
-    if (closed == NULL)
-        return -1;
-    rc = PyObject_Not(closed);
-    Py_DECREF(closed);
-    return rc;
+    return rc < 0 ? -1 : !rc;
 }
 
 /* Write one argument into an 8-byte slot: 0 done, 1 the argument cannot be
@@ -1794,67 +1822,72 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
 /* ---------------------------------------------------------------------------------
  * SpareCore: the device buffers one stream keeps for its next allocation of the
  * same size (asyncgpu._cuda._SpareBuffers subclasses it; the rules are documented
- * there). take and keep run no Python code between looking and changing, so the
- * GIL makes them atomic: a buffer's finalizer may keep memory from any thread,
- * even while this thread is inside a take (garbage collection).
+ * there), in a small table of sizes: no Python object is made or looked up to
+ * keep or take one. take and keep run no Python code between looking and
+ * changing, so the GIL makes them atomic: a buffer's finalizer may keep memory
+ * from any thread, even while this thread is inside a take (garbage collection).
  */
+#define SPARE_SIZES 16   /* sizes kept at once */
+#define SPARE_PER_SIZE 8 /* the most per_size may be */
+
+typedef struct {
+    Py_ssize_t nbytes; /* 0: a free row */
+    int count;
+    PyObject *alloc[SPARE_PER_SIZE]; /* newest last */
+    unsigned long long ptr[SPARE_PER_SIZE]; /* their addresses; 0: read alloc.ptr */
+} SpareRow;
+
 typedef struct {
     PyObject_HEAD
-    PyObject *bufs; /* {nbytes: [allocation, ...]}, newest last */
     long long room, per_size;
     char closed;
+    SpareRow rows[SPARE_SIZES];
 } SpareCore;
 
 static PyTypeObject *spare_core_type = NULL;
 
-/* A kept allocation of nbytes (a new reference), or NULL: none (no exception
- * set) or an error (set). */
-static PyObject *spare_take(SpareCore *sp, Py_ssize_t nbytes) {
-    PyObject *key = PyLong_FromSsize_t(nbytes), *list, *a;
-    Py_ssize_t n;
-    if (key == NULL)
-        return NULL;
-    list = sp->bufs == NULL ? NULL : PyDict_GetItemWithError(sp->bufs, key); /* borrowed */
-    Py_DECREF(key);
-    if (list == NULL || !PyList_Check(list) || (n = PyList_Size(list)) <= 0)
-        return NULL;
-    a = PyList_GetItem(list, n - 1);
-    Py_INCREF(a);
-    if (PyList_SetSlice(list, n - 1, n, NULL)) {
-        Py_DECREF(a);
-        return NULL;
+/* A kept allocation of nbytes (a new reference; *ptr its address, or 0 when
+ * the keeper did not say), or NULL: none kept. Sets no exception. */
+static PyObject *spare_take(SpareCore *sp, Py_ssize_t nbytes, unsigned long long *ptr) {
+    int i;
+    for (i = 0; i < SPARE_SIZES; i++) {
+        SpareRow *r = &sp->rows[i];
+        if (r->nbytes == nbytes && r->count > 0) {
+            PyObject *a = r->alloc[--r->count];
+            r->alloc[r->count] = NULL;
+            *ptr = r->ptr[r->count];
+            if (r->count == 0)
+                r->nbytes = 0;
+            sp->room += nbytes;
+            return a; /* the row's reference */
+        }
     }
-    sp->room += nbytes;
-    return a;
+    return NULL;
 }
 
-/* Keep the allocation a of nbytes: 1 kept, 0 not (closed, no room, or as many
- * of that size as it keeps), -1 with an exception. */
-static int spare_keep(SpareCore *sp, PyObject *a, Py_ssize_t nbytes) {
-    PyObject *key, *list;
-    if (sp->closed || sp->bufs == NULL || nbytes > sp->room)
+/* Keep the allocation a of nbytes at address ptr (0: unknown): 1 kept, 0 not
+ * (closed, no room, as many of that size as it keeps, or as many sizes). */
+static int spare_keep(SpareCore *sp, PyObject *a, Py_ssize_t nbytes, unsigned long long ptr) {
+    SpareRow *row = NULL;
+    int i;
+    if (sp->closed || nbytes <= 0 || nbytes > sp->room)
         return 0;
-    key = PyLong_FromSsize_t(nbytes);
-    if (key == NULL)
-        return -1;
-    list = PyDict_GetItemWithError(sp->bufs, key); /* borrowed */
-    if (list == NULL) {
-        if (PyErr_Occurred() || (list = PyList_New(0)) == NULL) {
-            Py_DECREF(key);
-            return -1;
+    for (i = 0; i < SPARE_SIZES; i++) {
+        SpareRow *r = &sp->rows[i];
+        if (r->nbytes == nbytes) {
+            row = r;
+            break;
         }
-        if (PyDict_SetItem(sp->bufs, key, list)) {
-            Py_DECREF(list);
-            Py_DECREF(key);
-            return -1;
-        }
-        Py_DECREF(list); /* the dict holds it */
+        if (r->nbytes == 0 && row == NULL)
+            row = r;
     }
-    Py_DECREF(key);
-    if (!PyList_Check(list) || PyList_Size(list) >= sp->per_size)
+    if (row == NULL || row->count >= sp->per_size)
         return 0;
-    if (PyList_Append(list, a))
-        return -1;
+    row->nbytes = nbytes;
+    Py_INCREF(a);
+    row->alloc[row->count] = a;
+    row->ptr[row->count] = ptr;
+    row->count++;
     sp->room -= nbytes;
     return 1;
 }
@@ -1870,11 +1903,12 @@ static int as_nbytes(PyObject *o, Py_ssize_t *out) {
 /* take(nbytes) -> allocation | None */
 static PyObject *spare_take_method(PyObject *self, PyObject *arg) {
     Py_ssize_t nbytes;
+    unsigned long long ptr;
     PyObject *a;
     if (as_nbytes(arg, &nbytes))
         return NULL;
-    a = spare_take((SpareCore *)self, nbytes);
-    if (a == NULL && !PyErr_Occurred())
+    a = spare_take((SpareCore *)self, nbytes, &ptr);
+    if (a == NULL)
         Py_RETURN_NONE;
     return a;
 }
@@ -1882,45 +1916,72 @@ static PyObject *spare_take_method(PyObject *self, PyObject *arg) {
 /* keep(allocation, nbytes) -> bool */
 static PyObject *spare_keep_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_ssize_t nbytes;
-    int rc;
     if (n != 2) {
         PyErr_SetString(PyExc_TypeError, "keep(allocation, nbytes)");
         return NULL;
     }
     if (as_nbytes(args[1], &nbytes))
         return NULL;
-    rc = spare_keep((SpareCore *)self, args[0], nbytes);
-    return rc < 0 ? NULL : PyBool_FromLong(rc);
+    return PyBool_FromLong(spare_keep((SpareCore *)self, args[0], nbytes, 0));
 }
 
 /* _take_all(close) -> [allocation, ...]: every kept allocation, now no longer
  * kept (the room is whole again); with close, none is kept from now on. */
 static PyObject *spare_take_all(PyObject *self, PyObject *close) {
     SpareCore *sp = (SpareCore *)self;
-    PyObject *all = PyList_New(0), *key, *list;
-    Py_ssize_t pos = 0;
-    int c = PyObject_IsTrue(close);
+    PyObject *all = PyList_New(0);
+    int c = PyObject_IsTrue(close), i;
     if (all == NULL || c < 0) {
         Py_XDECREF(all);
         return NULL;
     }
     if (c)
         sp->closed = 1;
-    if (sp->bufs == NULL)
-        return all;
-    while (PyDict_Next(sp->bufs, &pos, &key, &list)) {
-        Py_ssize_t n = PyList_Check(list) ? PyList_Size(list) : 0, nbytes;
-        if (n == 0)
+    for (i = 0; i < SPARE_SIZES; i++) {
+        SpareRow *r = &sp->rows[i];
+        while (r->count > 0) {
+            PyObject *a = r->alloc[r->count - 1];
+            if (PyList_Append(all, a)) {
+                Py_DECREF(all);
+                return NULL;
+            }
+            r->alloc[--r->count] = NULL;
+            Py_DECREF(a); /* the list holds it */
+            sp->room += r->nbytes;
+        }
+        r->nbytes = 0;
+    }
+    return all;
+}
+
+/* bufs -> {nbytes: [allocation, ...]}: what is kept, newest last (a copy). */
+static PyObject *spare_get_bufs(PyObject *self, void *closure) {
+    SpareCore *sp = (SpareCore *)self;
+    PyObject *d = PyDict_New();
+    int i, j;
+    if (d == NULL)
+        return NULL;
+    for (i = 0; i < SPARE_SIZES; i++) {
+        SpareRow *r = &sp->rows[i];
+        PyObject *key, *list;
+        if (r->count == 0)
             continue;
-        if (as_nbytes(key, &nbytes) ||
-            PyList_SetSlice(all, PyList_Size(all), PyList_Size(all), list)) {
-            Py_DECREF(all);
+        key = PyLong_FromSsize_t(r->nbytes);
+        list = PyList_New(r->count);
+        if (key == NULL || list == NULL || PyDict_SetItem(d, key, list)) {
+            Py_XDECREF(key);
+            Py_XDECREF(list);
+            Py_DECREF(d);
             return NULL;
         }
-        sp->room += (long long)nbytes * n;
+        for (j = 0; j < r->count; j++) {
+            Py_INCREF(r->alloc[j]);
+            PyList_SetItem(list, j, r->alloc[j]);
+        }
+        Py_DECREF(key);
+        Py_DECREF(list);
     }
-    PyDict_Clear(sp->bufs);
-    return all;
+    return d;
 }
 
 static PyObject *spare_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwds) {
@@ -1930,39 +1991,57 @@ static PyObject *spare_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwds) 
     allocfunc alloc;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "LL:SpareCore", names, &room, &per_size))
         return NULL;
-    alloc = (allocfunc)PyType_GetSlot(tp, Py_tp_alloc);
-    sp = (SpareCore *)alloc(tp, 0);
-    if (sp == NULL)
-        return NULL;
-    sp->bufs = PyDict_New();
-    if (sp->bufs == NULL) {
-        Py_DECREF(sp);
+    if (per_size < 0 || per_size > SPARE_PER_SIZE || room < 0) {
+        PyErr_Format(PyExc_ValueError, "SpareCore: per_size is 0 to %d, room not negative",
+                     SPARE_PER_SIZE);
         return NULL;
     }
+    alloc = (allocfunc)PyType_GetSlot(tp, Py_tp_alloc);
+    sp = (SpareCore *)alloc(tp, 0); /* zeroed: every row free */
+    if (sp == NULL)
+        return NULL;
     sp->room = room;
     sp->per_size = per_size;
     return (PyObject *)sp;
 }
 
 static int spare_traverse(PyObject *self, visitproc visit, void *arg) {
+    SpareCore *sp = (SpareCore *)self;
+    int i, j;
     Py_VISIT(Py_TYPE(self));
-    Py_VISIT(((SpareCore *)self)->bufs);
+    for (i = 0; i < SPARE_SIZES; i++)
+        for (j = 0; j < sp->rows[i].count; j++)
+            Py_VISIT(sp->rows[i].alloc[j]);
     return 0;
 }
 
 static int spare_clear(PyObject *self) {
-    Py_CLEAR(((SpareCore *)self)->bufs);
+    SpareCore *sp = (SpareCore *)self;
+    int i;
+    for (i = 0; i < SPARE_SIZES; i++) {
+        SpareRow *r = &sp->rows[i];
+        while (r->count > 0) {
+            PyObject *a = r->alloc[--r->count];
+            r->alloc[r->count] = NULL;
+            Py_DECREF(a);
+        }
+        r->nbytes = 0;
+    }
     return 0;
 }
 
 static void spare_dealloc(PyObject *self) { dealloc_core(self, spare_clear); }
 
 static PyMemberDef spare_members[] = {
-    {"bufs", T_OBJECT, offsetof(SpareCore, bufs), READONLY, NULL},
     {"room", T_LONGLONG, offsetof(SpareCore, room), 0, NULL},
     {"per_size", T_LONGLONG, offsetof(SpareCore, per_size), READONLY, NULL},
     {"closed", T_BOOL, offsetof(SpareCore, closed), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef spare_getset[] = {
+    {"bufs", spare_get_bufs, NULL, "{nbytes: [allocation, ...]}: what is kept (a copy).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyMethodDef spare_methods[] = {
@@ -1979,6 +2058,7 @@ static PyType_Slot spare_slots[] = {
     {Py_tp_new, (void *)spare_tp_new},
     {Py_tp_methods, spare_methods},
     {Py_tp_members, spare_members},
+    {Py_tp_getset, spare_getset},
     {Py_tp_traverse, (void *)spare_traverse},
     {Py_tp_clear, (void *)spare_clear},
     {Py_tp_dealloc, (void *)spare_dealloc},
@@ -2020,14 +2100,11 @@ static void buffer_finalize(PyObject *self) {
         b->nbytes > 0 && b->owner != NULL && PyObject_TypeCheck(b->owner, stream_core_type)) {
         PyObject *sp = ((StreamCore *)b->owner)->spare;
         if (sp != NULL && PyObject_TypeCheck(sp, spare_core_type)) {
-            int rc = spare_keep((SpareCore *)sp, b->alloc, b->nbytes);
-            if (rc == 1) {
+            if (spare_keep((SpareCore *)sp, b->alloc, b->nbytes, b->ptr)) {
                 Py_CLEAR(b->alloc);
                 PyErr_Restore(et, ev, tb);
                 return;
             }
-            if (rc < 0)
-                PyErr_Clear(); /* the general path below decides */
         }
     }
     r = PyObject_CallMethodObjArgs(self, s_release_memory, NULL);
@@ -2037,6 +2114,65 @@ static void buffer_finalize(PyObject *self) {
         Py_DECREF(r);
     PyErr_Restore(et, ev, tb);
 }
+
+/* StateCore and RefCore (typedefs above). */
+static PyMemberDef state_members[] = {
+    {"closed", T_BOOL, offsetof(StateCore, closed), 0, NULL},
+    {"trace", T_OBJECT, offsetof(StateCore, trace), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int state_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(((StateCore *)self)->trace);
+    return 0;
+}
+
+static int state_clear(PyObject *self) {
+    Py_CLEAR(((StateCore *)self)->trace);
+    return 0;
+}
+
+static void state_dealloc(PyObject *self) { dealloc_core(self, state_clear); }
+
+static PyType_Slot state_slots[] = {
+    {Py_tp_members, state_members},
+    {Py_tp_traverse, (void *)state_traverse},
+    {Py_tp_clear, (void *)state_clear},
+    {Py_tp_dealloc, (void *)state_dealloc},
+    {Py_tp_doc, "The fields of a context's state that every enqueue reads (asyncgpu._context "
+                "subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec state_spec = {
+    "asyncgpu._native.StateCore", sizeof(StateCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, state_slots,
+};
+
+static PyMemberDef ref_members[] = {
+    {"open", T_BOOL, offsetof(RefCore, open), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static void ref_dealloc(PyObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    free_(self);
+    Py_DECREF(tp);
+}
+
+static PyType_Slot ref_slots[] = {
+    {Py_tp_members, ref_members},
+    {Py_tp_dealloc, (void *)ref_dealloc},
+    {Py_tp_doc, "Whether one reference to a context is open (asyncgpu._context subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec ref_spec = {
+    "asyncgpu._native.RefCore", sizeof(RefCore), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    ref_slots,
+};
 
 /* FunctionCore (typedef above): DeviceFunction's fields. */
 static PyMemberDef function_members[] = {
@@ -2127,17 +2263,29 @@ static int context_open(ContextCore *c) {
     int rc;
     if (c->state == NULL || c->ref == NULL || c->impl == NULL)
         return 0;
-    o = PyObject_GetAttr(c->state, s_closed);
-    if (o == NULL)
-        return -1;
-    rc = o == Py_False;
-    Py_DECREF(o);
-    if (!rc)
-        return 0;
+    rc = state_closed(c->state);
+    if (rc != 0)
+        return rc < 0 ? -1 : 0;
+    if (PyObject_TypeCheck(c->ref, ref_core_type))
+        return ((RefCore *)c->ref)->open;
     o = PyObject_GetAttr(c->ref, s_open);
     if (o == NULL)
         return -1;
-    rc = o == Py_True;
+    rc = PyObject_IsTrue(o);
+    Py_DECREF(o);
+    return rc;
+}
+
+/* 1 when the state records no trace, 0 when it does, -1 on error. */
+static int untraced(PyObject *state) {
+    PyObject *o;
+    int rc;
+    if (PyObject_TypeCheck(state, state_core_type))
+        return is_none(((StateCore *)state)->trace);
+    o = PyObject_GetAttr(state, s_trace);
+    if (o == NULL)
+        return -1;
+    rc = o == Py_None;
     Py_DECREF(o);
     return rc;
 }
@@ -2254,7 +2402,7 @@ static PyObject *cached_config(FunctionCore *f, PyObject *grid, PyObject *block)
  * while nothing is traced. */
 static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t n,
                                PyObject *kwnames) {
-    PyObject *grid = NULL, *block = NULL, *o, *cfg, *argt, *ev;
+    PyObject *grid = NULL, *block = NULL, *cfg, *argt, *ev;
     FunctionCore *f;
     Py_ssize_t i;
     int rc;
@@ -2279,13 +2427,9 @@ static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t
         ((ContextCore *)f->ctx)->state != c->state)
         Py_RETURN_NONE;
     /* nothing traced (the general path records the launch) */
-    o = PyObject_GetAttr(c->state, s_trace);
-    if (o == NULL)
-        return NULL;
-    rc = o == Py_None;
-    Py_DECREF(o);
-    if (!rc)
-        Py_RETURN_NONE;
+    rc = untraced(c->state);
+    if (rc <= 0)
+        return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     cfg = cached_config(f, grid, block);
     if (cfg == NULL)
         return PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
@@ -2396,27 +2540,26 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
     if (count <= 0 || itemsize <= 0 || count > PY_SSIZE_T_MAX / itemsize)
         Py_RETURN_NONE;
     nbytes = count * itemsize;
-    a = spare_take((SpareCore *)sp, nbytes);
+    a = spare_take((SpareCore *)sp, nbytes, &ptr);
     if (a == NULL)
-        return PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
-    o = Py_TYPE(a) == device_alloc_type ? PyObject_GetAttr(a, s_alloc_ptr) : NULL;
-    if (o == NULL || as_u64(o, &ptr)) {
-        int failed = PyErr_Occurred() != NULL;
-        Py_XDECREF(o);
-        if (spare_keep((SpareCore *)sp, a, nbytes) != 1 || failed) {
-            /* kept again for the general path, or: an error to raise */
-            Py_DECREF(a);
-            return failed || PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
-        }
-        Py_DECREF(a);
         Py_RETURN_NONE;
+    if (Py_TYPE(a) != device_alloc_type || ptr == 0) {
+        /* kept from Python (keep() does not know the address), or not a device
+         * allocation of this backend */
+        o = Py_TYPE(a) == device_alloc_type ? PyObject_GetAttr(a, s_alloc_ptr) : NULL;
+        if (o == NULL || as_u64(o, &ptr) || ptr == 0) {
+            Py_XDECREF(o);
+            PyErr_Clear();
+            spare_keep((SpareCore *)sp, a, nbytes, 0); /* back, for the general path */
+            Py_DECREF(a);
+            Py_RETURN_NONE;
+        }
+        Py_DECREF(o);
     }
-    Py_DECREF(o);
     alloc = (allocfunc)PyType_GetSlot(device_buffer_type, Py_tp_alloc);
     b = (BufferCore *)alloc(device_buffer_type, 0);
     if (b == NULL) {
-        if (spare_keep((SpareCore *)sp, a, nbytes) < 0)
-            PyErr_Clear();
+        spare_keep((SpareCore *)sp, a, nbytes, ptr);
         Py_DECREF(a);
         return NULL;
     }
@@ -2666,6 +2809,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     rlock_type = (PyTypeObject *)PyType_FromSpec(&rlock_spec);
     if (rlock_type == NULL)
         return NULL;
+    state_core_type = (PyTypeObject *)PyType_FromSpec(&state_spec);
+    if (state_core_type == NULL)
+        return NULL;
+    ref_core_type = (PyTypeObject *)PyType_FromSpec(&ref_spec);
+    if (ref_core_type == NULL)
+        return NULL;
     m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
@@ -2676,6 +2825,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(context_core_type);
     Py_INCREF(function_core_type);
     Py_INCREF(rlock_type);
+    Py_INCREF(state_core_type);
+    Py_INCREF(ref_core_type);
     if (PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0 ||
         PyModule_AddObject(m, "EventCore", (PyObject *)event_core_type) < 0 ||
         PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0 ||
@@ -2683,7 +2834,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddObject(m, "SpareCore", (PyObject *)spare_core_type) < 0 ||
         PyModule_AddObject(m, "ContextCore", (PyObject *)context_core_type) < 0 ||
         PyModule_AddObject(m, "FunctionCore", (PyObject *)function_core_type) < 0 ||
-        PyModule_AddObject(m, "RLock", (PyObject *)rlock_type) < 0) {
+        PyModule_AddObject(m, "RLock", (PyObject *)rlock_type) < 0 ||
+        PyModule_AddObject(m, "StateCore", (PyObject *)state_core_type) < 0 ||
+        PyModule_AddObject(m, "RefCore", (PyObject *)ref_core_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

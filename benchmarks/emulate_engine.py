@@ -39,10 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Unavailable, environment_info, report_probe
 
 from asyncgpu import (
+    DeviceContext,
     DeviceEvent,
+    DeviceFunction,
     _accel,
     _cuda,
 )
+from asyncgpu._context import _ContextState, _Ref
 from asyncgpu._engine import watcher
 
 DIMS = (1, 1, 1, 1, 1, 1, 0)
@@ -73,7 +76,13 @@ def bind(lib: ctypes.CDLL, deferred: bool) -> None:
         )
     ]
     native.bind(*addr)
-    native.configure(DeviceEvent, watcher.sweep_later, _cuda._PolledStream.MARK_EVERY)
+    native.configure(
+        DeviceEvent,
+        watcher.sweep_later,
+        _cuda._PolledStream.MARK_EVERY,
+        _cuda.CudaStream,
+        _cuda._DeviceAlloc,
+    )
     _cuda._native = native
 
 
@@ -111,7 +120,32 @@ def stream(index: int) -> Any:
     s._write_marker = lambda seq: _accel.native.write64(s.h, s.caddr, seq)
     s._query_fault = lambda: None
     s._param_mem, s.label = {}, f"stub:0/s{index}"
+    s.spare = _cuda._SpareBuffers(_cuda._SPARE_BYTES, _cuda._SPARE_PER_SIZE)
     return s
+
+
+class _CoreBuffer:
+    """What an allocation reads of cuda.core's Buffer."""
+
+    handle = 0x7F00_0000_0000
+
+
+def context(s: Any) -> DeviceContext:
+    """A DeviceContext on the stream ``s``, as ``DeviceContext.__init__`` leaves
+    one (its state's ``closed`` and ``trace``, its reference), without a driver."""
+    state = object.__new__(_ContextState)
+    state.closed, state.trace = False, None
+    ctx = object.__new__(DeviceContext)
+    ctx._state, ctx._ref, ctx._impl = state, _Ref(), s
+    return ctx
+
+
+def function(ctx: DeviceContext, f: Any, grid: int, block: int) -> DeviceFunction:
+    """A DeviceFunction of ``ctx`` on the stand-in function ``f`` (see ``kernel``),
+    its launch configuration for ``grid`` x ``block`` validated."""
+    fn = DeviceFunction(ctx, "stub", f)
+    fn._cfgs[(grid, block, None, None)] = f
+    return fn
 
 
 def kernel(streams: list[Any], args: tuple[Any, ...], codes: bytes) -> Any:
@@ -157,6 +191,32 @@ def main() -> dict[str, Any]:
             s.launch(f, args, f, ())
 
         out["launch_4args_us"] = per_call_us(fire, calls)
+
+        # The same launch through DeviceContext.enqueue_function, as users make it.
+        ctx = context(s)
+        fn = function(ctx, f, 1, 1)
+        a_, x, y, n = args
+        x._ctx = y._ctx = ctx
+        out["enqueue_function_4args_us"] = per_call_us(
+            lambda: ctx.enqueue_function(fn, a_, x, y, n, grid_dim=1, block_dim=1), calls
+        )
+        e = kernel([s], (), b"")
+        fn0 = function(ctx, e, 1, 1)
+        out["enqueue_function_empty_us"] = per_call_us(
+            lambda: ctx.enqueue_function(fn0, grid_dim=1, block_dim=1), calls
+        )
+
+        # A 1 MiB device buffer created from what the stream kept, and dropped.
+        alloc = _cuda._DeviceAlloc(None, _CoreBuffer(), None, 1 << 20)  # type: ignore[arg-type]
+        s.spare.keep(alloc, 1 << 20)
+
+        def create_drop() -> None:
+            b = ctx.enqueue_create_buffer(np.uint8, 1 << 20)
+            del b
+
+        out["create_drop_1mib_us"] = per_call_us(create_drop, calls)
+        if s.spare.take(1 << 20) is not alloc:
+            raise AssertionError("the kept buffer did not come back to its stream")
 
         async def awaited() -> float:
             async def once() -> None:

@@ -275,6 +275,16 @@ def test_a_stream_keeps_at_most_four_of_a_size_and_64_mib_in_all(new_spare) -> N
     assert spare.room == cuda._SPARE_BYTES - (cuda._SPARE_PER_SIZE - 1) * 4096
 
 
+def test_a_stream_keeps_at_most_sixteen_sizes_and_nothing_of_size_zero(new_spare) -> None:
+    spare = new_spare()
+    assert all(spare.keep(_Alloc(), 64 * (i + 1)) for i in range(cuda._SPARE_SIZES))
+    assert not spare.keep(_Alloc(), 4096)  # a seventeenth size
+    assert spare.take(64) is not None  # the size's last one: its row is free again
+    assert spare.keep(_Alloc(), 4096)
+    assert not spare.keep(_Alloc(), 0)
+    assert sorted(spare.bufs) == [64 * (i + 1) for i in range(1, cuda._SPARE_SIZES)] + [4096]
+
+
 def test_freeing_kept_allocations_frees_them_on_the_stream_and_a_closed_stream_keeps_none(
     new_spare,
 ) -> None:
