@@ -1027,11 +1027,12 @@ class DeviceContext(_ContextBase):
 # geometry seen before, untraced, in one C call down to ``cuLaunchKernel``; its
 # ``enqueue_create_buffer`` hands out memory the current CUDA stream kept. Every
 # other call goes, unchanged, to the Python methods above, kept as
-# ``_enqueue_function`` and ``_enqueue_create_buffer``.
+# ``_enqueue_function`` and ``_enqueue_create_buffer``; without them in the
+# class, the names find ContextCore's methods.
 if native is not None:
     for _name in ("enqueue_function", "enqueue_create_buffer"):
-        setattr(DeviceContext, f"_{_name}", getattr(DeviceContext, _name))
-        setattr(DeviceContext, _name, getattr(native.ContextCore, f"_{_name}_c"))
+        setattr(DeviceContext, f"_{_name}", DeviceContext.__dict__[_name])
+        delattr(DeviceContext, _name)
     native.configure_buffers(DeviceBuffer, DeviceFunction, as_dtype, np.dtype)
 
 

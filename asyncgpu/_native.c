@@ -2591,15 +2591,23 @@ static PyObject *context_enqueue_create_buffer(PyObject *self, PyObject *const *
 }
 
 static PyMethodDef context_methods[] = {
-    {"_enqueue_function_c", (PyCFunction)(void (*)(void))context_enqueue_function,
+    {"enqueue_function", (PyCFunction)(void (*)(void))context_enqueue_function,
      METH_FASTCALL | METH_KEYWORDS,
-     "DeviceContext.enqueue_function in C: a compiled function of this context launched "
-     "with grid_dim and block_dim seen before, untraced; every other call goes to "
-     "DeviceContext._enqueue_function."},
-    {"_enqueue_create_buffer_c", (PyCFunction)(void (*)(void))context_enqueue_create_buffer,
+     "enqueue_function($self, f, /, *args, grid_dim, block_dim, cluster_dim=None, "
+     "shared_mem_bytes=None, attributes=(), constant_memory=(), func_attribute=None)\n--\n\n"
+     "Launch f on the current stream and return its DeviceEvent at once (cuLaunchKernel; on "
+     "the CPU device its NumPy body runs once per block on the pool). This C method takes "
+     "a compiled function of this context launched with a grid_dim and block_dim seen "
+     "before, untraced, and hands every other call to DeviceContext._enqueue_function, "
+     "whose docstring (and the API reference) describes the call in full."},
+    {"enqueue_create_buffer", (PyCFunction)(void (*)(void))context_enqueue_create_buffer,
      METH_FASTCALL | METH_KEYWORDS,
-     "DeviceContext.enqueue_create_buffer in C: memory the current CUDA stream kept; every "
-     "other call goes to DeviceContext._enqueue_create_buffer."},
+     "enqueue_create_buffer($self, dtype, size)\n--\n\n"
+     "A device buffer of size elements, allocated in stream order on the current stream "
+     "(cuMemAllocFromPoolAsync), owned by it and freed on it. This C method hands out "
+     "memory the current CUDA stream kept and hands every other call to "
+     "DeviceContext._enqueue_create_buffer, whose docstring (and the API reference) "
+     "describes the call in full."},
     {NULL, NULL, 0, NULL},
 };
 

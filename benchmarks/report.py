@@ -259,7 +259,7 @@ def _render_layers(probe: dict[str, Any]) -> list[str]:
         if i < 3:
             below = v
     pieces = [
-        ("the submit lock (`RLock`)", "piece_submit_lock_us"),
+        ("the submit lock (the extension's `RLock`, by `with`)", "piece_submit_lock_us"),
         ("a `DeviceEvent`", "piece_event_init_us"),
         ("`_before_submit`", "piece_before_submit_us"),
         ("`_prune`", "piece_prune_us"),
