@@ -737,8 +737,9 @@ static int rlock_take(RLockObject *l, int blocking, PY_TIMEOUT_T timeout_us) {
             break;
         if (PyErr_CheckSignals())
             return -1;
-        /* interrupted, no exception: wait again (for the whole timeout again,
-         * as threading's lock waits for what is left; signals are rare here) */
+        /* a signal whose handler did not raise: wait again, for the whole
+         * timeout (threading's lock waits only for what is left of it; no caller
+         * in asyncgpu passes a timeout) */
     }
     if (r != PY_LOCK_ACQUIRED)
         return 0;
@@ -1827,6 +1828,7 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
  * changing, so the GIL makes them atomic: a buffer's finalizer may keep memory
  * from any thread, even while this thread is inside a take (garbage collection).
  */
+static PyObject *s_alloc_ptr; /* "ptr" (set at module init) */
 #define SPARE_SIZES 16   /* sizes kept at once */
 #define SPARE_PER_SIZE 8 /* the most per_size may be */
 
@@ -1913,16 +1915,24 @@ static PyObject *spare_take_method(PyObject *self, PyObject *arg) {
     return a;
 }
 
-/* keep(allocation, nbytes) -> bool */
+/* keep(allocation, nbytes) -> bool. The allocation's address is its ptr, where
+ * it has an int one (a _DeviceAlloc), else unknown (0). */
 static PyObject *spare_keep_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_ssize_t nbytes;
+    unsigned long long ptr = 0;
+    PyObject *o;
     if (n != 2) {
         PyErr_SetString(PyExc_TypeError, "keep(allocation, nbytes)");
         return NULL;
     }
     if (as_nbytes(args[1], &nbytes))
         return NULL;
-    return PyBool_FromLong(spare_keep((SpareCore *)self, args[0], nbytes, 0));
+    o = PyObject_GetAttr(args[0], s_alloc_ptr);
+    if (o == NULL || !PyLong_Check(o) || as_u64(o, &ptr))
+        ptr = 0;
+    Py_XDECREF(o);
+    PyErr_Clear();
+    return PyBool_FromLong(spare_keep((SpareCore *)self, args[0], nbytes, ptr));
 }
 
 /* _take_all(close) -> [allocation, ...]: every kept allocation, now no longer
@@ -2483,29 +2493,20 @@ static PyObject *cached_dtype(PyObject *key) {
             return NULL;
         return entry;
     }
-    if (PyErr_Occurred())
-        return NULL;
+    if (PyErr_Occurred() || PyDict_Size(dtype_cache) >= DTYPE_CACHE_MAX)
+        return NULL; /* (full: the general path) */
     dt = PyObject_CallFunctionObjArgs(as_dtype_fn, key, NULL); /* raises for a bad dtype */
     if (dt == NULL)
         return NULL;
     size = PyObject_GetAttr(dt, s_itemsize);
-    if (size == NULL) {
-        Py_DECREF(dt);
-        return NULL;
-    }
-    entry = PyTuple_Pack(2, dt, size);
+    entry = size == NULL ? NULL : PyTuple_Pack(2, dt, size);
     Py_DECREF(dt);
-    Py_DECREF(size);
-    if (entry == NULL)
-        return NULL;
-    if (PyDict_Size(dtype_cache) < DTYPE_CACHE_MAX && PyDict_SetItem(dtype_cache, key, entry)) {
-        Py_DECREF(entry);
+    Py_XDECREF(size);
+    if (entry == NULL || PyDict_SetItem(dtype_cache, key, entry)) {
+        Py_XDECREF(entry);
         return NULL;
     }
-    Py_DECREF(entry); /* the cache holds it, or: see below */
-    entry = PyDict_GetItemWithError(dtype_cache, key);
-    if (entry == NULL && !PyErr_Occurred())
-        return NULL; /* the cache is full: the general path */
+    Py_DECREF(entry); /* borrowed from here on: the cache holds it */
     return entry;
 }
 
@@ -2513,7 +2514,7 @@ static PyObject *cached_dtype(PyObject *key) {
  * stream kept (no driver call, no Python), Py_None (a new reference: the
  * general path takes the call), or NULL with an exception. */
 static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *size) {
-    PyObject *entry, *sp, *a, *o;
+    PyObject *entry, *sp, *a;
     Py_ssize_t count, itemsize, nbytes;
     unsigned long long ptr;
     BufferCore *b;
@@ -2544,17 +2545,11 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
     if (a == NULL)
         Py_RETURN_NONE;
     if (Py_TYPE(a) != device_alloc_type || ptr == 0) {
-        /* kept from Python (keep() does not know the address), or not a device
-         * allocation of this backend */
-        o = Py_TYPE(a) == device_alloc_type ? PyObject_GetAttr(a, s_alloc_ptr) : NULL;
-        if (o == NULL || as_u64(o, &ptr) || ptr == 0) {
-            Py_XDECREF(o);
-            PyErr_Clear();
-            spare_keep((SpareCore *)sp, a, nbytes, 0); /* back, for the general path */
-            Py_DECREF(a);
-            Py_RETURN_NONE;
-        }
-        Py_DECREF(o);
+        /* not a device allocation of this backend, or of no known address: back
+         * for the general path */
+        spare_keep((SpareCore *)sp, a, nbytes, ptr);
+        Py_DECREF(a);
+        Py_RETURN_NONE;
     }
     alloc = (allocfunc)PyType_GetSlot(device_buffer_type, Py_tp_alloc);
     b = (BufferCore *)alloc(device_buffer_type, 0);

@@ -314,6 +314,20 @@ def test_any_other_creation_reaches_the_python_method_unchanged(
     assert setup.stream.s.spare.kept()  # nothing taken
 
 
+def test_kept_memory_of_another_kind_or_address_is_left_to_the_python_method(
+    setup: Setup,
+) -> None:
+    """Only a ``_DeviceAlloc`` of a known address is made into a buffer in C; what
+    else a stream keeps stays kept, for the Python method to hand out."""
+    spare = setup.stream.s.spare
+    other = SimpleNamespace(ptr=0x5000)
+    no_address = cuda._DeviceAlloc(None, None, None, 256)  # type: ignore[arg-type]
+    assert spare.keep(other, 128) and spare.keep(no_address, 256)
+    assert setup.ctx.enqueue_create_buffer(np.uint8, 128) == "general"
+    assert setup.ctx.enqueue_create_buffer(np.uint8, 256) == "general"
+    assert spare.take(128) is other and spare.take(256) is no_address
+
+
 def test_a_bad_dtype_raises_the_python_methods_error(setup: Setup) -> None:
     _kept_alloc(setup, 512)
     with pytest.raises(TypeError, match="is not a dtype NumPy knows"):
