@@ -920,12 +920,13 @@ class CudaStream(_PolledStream):
             ev._value = result = _HostResult()
 
         def finish(value: Any, error: BaseException | None) -> None:
-            result.value = value
-            result.error = error
+            after = result.end(value, error)
             if gate is not None:
                 self._open(gate)
             else:
                 self._hostsig.value = k
+            if after is not None:
+                after()  # the host work right behind this one
 
         def begin(_e: DeviceEvent | None = None) -> None:
             try:
@@ -933,7 +934,15 @@ class CudaStream(_PolledStream):
             except BaseException as e:  # pragma: no cover - start itself broke
                 finish(None, e)
 
-        if prev is None or prev.query():
+        before = prev._value if prev is not None else None
+        if prev is None:
+            begin()
+        elif type(before) is _HostResult:
+            # Host work right before this (nothing between them on the stream):
+            # start when it ends, as the host sees it.
+            if not before.follow(begin):
+                begin()
+        elif prev.query():
             begin()
         else:
             prev.add_done_callback(begin)

@@ -26,6 +26,11 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _WIN32
+#include <windows.h>
+#else
+#include <time.h>
+#endif
 
 typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                          unsigned, void *, void **, void **);
@@ -159,6 +164,31 @@ typedef struct {
 } BufferCore;
 
 static PyTypeObject *buffer_core_type = NULL;
+static PyTypeObject *buffer_core_seen[2];
+static PyTypeObject *state_core_seen[2];
+static PyTypeObject *ref_core_seen[2];
+static PyTypeObject *context_core_seen[2];
+static PyTypeObject *function_core_seen[2];
+static PyTypeObject *event_core_seen[2];
+static PyTypeObject *stream_core_seen[2];
+static PyTypeObject *spare_core_seen[2];
+
+/* PyObject_TypeCheck with a memo of the last two subclasses seen (each held, so
+ * the identity test is sound): the hot paths check the same few Python
+ * subclasses of this module's types again and again, and PyType_IsSubtype walks
+ * the MRO each time. */
+static int is_a(PyObject *o, PyTypeObject *base, PyTypeObject **seen) {
+    PyTypeObject *t = Py_TYPE(o);
+    if (t == seen[0] || t == seen[1])
+        return 1;
+    if (!PyType_IsSubtype(t, base))
+        return 0;
+    Py_INCREF(t);
+    Py_XDECREF(seen[1]);
+    seen[1] = seen[0];
+    seen[0] = t;
+    return 1;
+}
 
 static PyMemberDef buffer_members[] = {
     {"_alloc", T_OBJECT, offsetof(BufferCore, alloc), 0, NULL},
@@ -240,7 +270,7 @@ static PyTypeObject *state_core_type = NULL, *ref_core_type = NULL;
 static int state_closed(PyObject *state) {
     PyObject *o;
     int rc;
-    if (PyObject_TypeCheck(state, state_core_type))
+    if (is_a(state, state_core_type, state_core_seen))
         return ((StateCore *)state)->closed;
     o = PyObject_GetAttr(state, s_closed);
     if (o == NULL)
@@ -296,7 +326,7 @@ static int usable(PyObject *a, int core, PyObject *open_state) {
         if (ctx == NULL)
             return -1;
     }
-    if (context_core_type != NULL && PyObject_TypeCheck(ctx, context_core_type)) {
+    if (context_core_type != NULL && is_a(ctx, context_core_type, context_core_seen)) {
         state = ((ContextCore *)ctx)->state;
         if (state == NULL) {
             Py_DECREF(ctx);
@@ -326,7 +356,7 @@ static int pack_one(char code, PyObject *a, unsigned char *slot, PyObject *open_
     case A_PTR: {
         PyObject *p;
         unsigned long long v;
-        int core = PyObject_TypeCheck(a, buffer_core_type);
+        int core = is_a(a, buffer_core_type, buffer_core_seen);
         int rc = usable(a, core, open_state);
         if (rc <= 0)
             return rc < 0 ? -1 : 1;
@@ -709,40 +739,77 @@ static PyType_Spec event_spec = {
  * on the development machine. A stream's submit, retire and marker locks are
  * RLocks where the extension is built. Blocking acquires release the GIL and
  * wake for signals, as threading's do.
+ *
+ * Every acquire and release runs with the GIL held (the lock is never taken
+ * from code that has released it), so the GIL guards owner, count and waiters,
+ * and a free lock is taken by setting them: no lock operation of the OS (and
+ * none of CPython's, which reads the clock on every acquire, even one that
+ * does not wait). `wake` is only for waiting: a lock created taken, which a
+ * release gives back when a thread waits (so one waiter wakes), and a waiter
+ * takes; a waiter that wakes looks again (another thread may have taken the
+ * RLock first, or the wake-up was meant for a waiter that left).
  */
 typedef struct {
     PyObject_HEAD
-    PyThread_type_lock lock;
-    unsigned long owner; /* PyThread_get_thread_ident() of the holder */
-    unsigned long count; /* 0: free */
+    PyThread_type_lock wake;
+    unsigned long owner;   /* PyThread_get_thread_ident() of the holder */
+    unsigned long count;   /* 0: free */
+    unsigned long waiters; /* threads waiting in rlock_take */
 } RLockObject;
 
 static PyTypeObject *rlock_type = NULL;
 
 /* 1 taken, 0 not (blocking false, or the timeout passed), -1 with an exception
  * (a signal handler raised). timeout_us < 0: no timeout. */
+/* Microseconds of a monotonic clock (only timed waits read it). */
+static long long monotonic_us(void) {
+#ifdef _WIN32
+    return (long long)GetTickCount64() * 1000;
+#else
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+#endif
+}
+
 static int rlock_take(RLockObject *l, int blocking, PY_TIMEOUT_T timeout_us) {
     unsigned long me = PyThread_get_thread_ident();
-    PyLockStatus r;
-    if (l->count > 0 && l->owner == me) {
+    long long deadline = 0;
+    if (l->count == 0) {
+        l->owner = me; /* free: taken (the GIL is held) */
+        l->count = 1;
+        return 1;
+    }
+    if (l->owner == me) {
         l->count++;
         return 1;
     }
-    r = PyThread_acquire_lock_timed(l->lock, 0, 0);
-    while (r != PY_LOCK_ACQUIRED && blocking) {
-        Py_BEGIN_ALLOW_THREADS
-        r = PyThread_acquire_lock_timed(l->lock, timeout_us, 1);
-        Py_END_ALLOW_THREADS
-        if (r != PY_LOCK_INTR)
-            break;
-        if (PyErr_CheckSignals())
-            return -1;
-        /* a signal whose handler did not raise: wait again, for the whole
-         * timeout (threading's lock waits only for what is left of it; no caller
-         * in asyncgpu passes a timeout) */
-    }
-    if (r != PY_LOCK_ACQUIRED)
+    if (!blocking || timeout_us == 0)
         return 0;
+    if (timeout_us > 0)
+        deadline = monotonic_us() + (long long)timeout_us;
+    l->waiters++;
+    while (l->count > 0) {
+        PY_TIMEOUT_T left = -1;
+        PyLockStatus r;
+        if (timeout_us > 0) {
+            long long now = monotonic_us();
+            if (now >= deadline)
+                break;
+            left = (PY_TIMEOUT_T)(deadline - now);
+        }
+        Py_BEGIN_ALLOW_THREADS
+        r = PyThread_acquire_lock_timed(l->wake, left, 1);
+        Py_END_ALLOW_THREADS
+        if (r == PY_LOCK_INTR && PyErr_CheckSignals()) {
+            l->waiters--;
+            return -1;
+        }
+        /* woken, timed out, or a signal whose handler did not raise: look again */
+    }
+    l->waiters--;
+    if (l->count > 0)
+        return 0; /* the timeout passed */
     l->owner = me;
     l->count = 1;
     return 1;
@@ -755,7 +822,8 @@ static int rlock_give(RLockObject *l) {
     }
     if (--l->count == 0) {
         l->owner = 0;
-        PyThread_release_lock(l->lock);
+        if (l->waiters)
+            PyThread_release_lock(l->wake);
     }
     return 0;
 }
@@ -771,12 +839,13 @@ static PyObject *rlock_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwds) 
     l = (RLockObject *)alloc(tp, 0);
     if (l == NULL)
         return NULL;
-    l->lock = PyThread_allocate_lock();
-    if (l->lock == NULL) {
+    l->wake = PyThread_allocate_lock();
+    if (l->wake == NULL) {
         Py_DECREF(l);
         PyErr_SetString(PyExc_MemoryError, "cannot allocate a lock");
         return NULL;
     }
+    PyThread_acquire_lock(l->wake, WAIT_LOCK); /* created taken: see above */
     return (PyObject *)l;
 }
 
@@ -784,10 +853,9 @@ static void rlock_dealloc(PyObject *self) {
     RLockObject *l = (RLockObject *)self;
     PyTypeObject *tp = Py_TYPE(self);
     freefunc free_ = (freefunc)PyType_GetSlot(tp, Py_tp_free);
-    if (l->lock != NULL) {
-        if (l->count > 0)
-            PyThread_release_lock(l->lock);
-        PyThread_free_lock(l->lock);
+    if (l->wake != NULL) {
+        PyThread_release_lock(l->wake);
+        PyThread_free_lock(l->wake);
     }
     free_(self);
     Py_DECREF(tp);
@@ -1167,7 +1235,7 @@ static EventCore *inflight_at(StreamCore *s, Py_ssize_t i) {
     PyObject *o = PySequence_GetItem(s->inflight, i);
     if (o == NULL)
         return NULL;
-    if (!PyObject_TypeCheck(o, event_core_type)) {
+    if (!is_a(o, event_core_type, event_core_seen)) {
         Py_DECREF(o);
         PyErr_SetString(PyExc_TypeError, "asyncgpu: a stream holds something not an event");
         return NULL;
@@ -1396,7 +1464,7 @@ static PyObject *stream_completed_fast(PyObject *self, PyObject *unused) {
  * memset: set done, drop what it kept, and wake its waiters through _finish),
  * else through the stream's _finish_retired (host results). */
 static int finish_retired(StreamCore *s, PyObject *o) {
-    if (PyObject_TypeCheck(o, event_core_type)) {
+    if (is_a(o, event_core_type, event_core_seen)) {
         EventCore *ev = (EventCore *)o;
         if (ev->lock == NULL && is_none(ev->value)) {
             PyObject *args[2], *r;
@@ -1507,7 +1575,7 @@ static PyObject *stream_poll(PyObject *self, PyObject *o) {
     StreamCore *s = (StreamCore *)self;
     EventCore *ev;
     long long c;
-    if (!PyObject_TypeCheck(o, event_core_type)) {
+    if (!is_a(o, event_core_type, event_core_seen)) {
         PyErr_SetString(PyExc_TypeError, "_poll: not a DeviceEvent");
         return NULL;
     }
@@ -1628,10 +1696,12 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
     if (rc)
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     seq = s->seq + 1;
-    /* The eager marker: a driver event where the stream takes them
-     * (_kernel_event_markers, with cuEventRecord bound), else the counter, written
-     * in the same release of the GIL as the launch. */
-    marker = s->eager && is_none(s->events) && s->caddr;
+    /* The eager marker, or the one every mark_every unmarked operations (written
+     * here, right after the launch that is the mark_every-th, rather than by
+     * _before_submit before the next one): a driver event where the stream takes
+     * them (_kernel_event_markers, with cuEventRecord bound), else the counter,
+     * written in the same release of the GIL as the launch. */
+    marker = (s->eager || seq - s->marked >= mark_every) && is_none(s->events) && s->caddr;
     event_marker = marker && s->kernel_event_markers && p_record != NULL;
     err = launch_and_mark(func, d, s->h, nargs, ptrs, marker && !event_marker ? s->caddr : 0,
                           (unsigned long long)seq);
@@ -1744,7 +1814,7 @@ static PyObject *stream_launch(PyObject *self, PyObject *const *args, PyObject *
     StreamCore *s = (StreamCore *)self;
     PyObject *impl, *plan = NULL, *handle = NULL, *ev = NULL;
     int rc;
-    if (PyObject_TypeCheck(args[0], function_core_type)) {
+    if (is_a(args[0], function_core_type, function_core_seen)) {
         impl = ((FunctionCore *)args[0])->impl;
         if (impl == NULL)
             impl = Py_None;
@@ -2107,9 +2177,9 @@ static void buffer_finalize(PyObject *self) {
         return;
     PyErr_Fetch(&et, &ev, &tb);
     if (!exiting && device_alloc_type != NULL && Py_TYPE(b->alloc) == device_alloc_type &&
-        b->nbytes > 0 && b->owner != NULL && PyObject_TypeCheck(b->owner, stream_core_type)) {
+        b->nbytes > 0 && b->owner != NULL && is_a(b->owner, stream_core_type, stream_core_seen)) {
         PyObject *sp = ((StreamCore *)b->owner)->spare;
-        if (sp != NULL && PyObject_TypeCheck(sp, spare_core_type)) {
+        if (sp != NULL && is_a(sp, spare_core_type, spare_core_seen)) {
             if (spare_keep((SpareCore *)sp, b->alloc, b->nbytes, b->ptr)) {
                 Py_CLEAR(b->alloc);
                 PyErr_Restore(et, ev, tb);
@@ -2276,7 +2346,7 @@ static int context_open(ContextCore *c) {
     rc = state_closed(c->state);
     if (rc != 0)
         return rc < 0 ? -1 : 0;
-    if (PyObject_TypeCheck(c->ref, ref_core_type))
+    if (is_a(c->ref, ref_core_type, ref_core_seen))
         return ((RefCore *)c->ref)->open;
     o = PyObject_GetAttr(c->ref, s_open);
     if (o == NULL)
@@ -2290,7 +2360,7 @@ static int context_open(ContextCore *c) {
 static int untraced(PyObject *state) {
     PyObject *o;
     int rc;
-    if (PyObject_TypeCheck(state, state_core_type))
+    if (is_a(state, state_core_type, state_core_seen))
         return is_none(((StateCore *)state)->trace);
     o = PyObject_GetAttr(state, s_trace);
     if (o == NULL)
@@ -2433,7 +2503,7 @@ static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t
     if (rc <= 0)
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     /* compiled for this context */
-    if (f->ctx == NULL || !PyObject_TypeCheck(f->ctx, context_core_type) ||
+    if (f->ctx == NULL || !is_a(f->ctx, context_core_type, context_core_seen) ||
         ((ContextCore *)f->ctx)->state != c->state)
         Py_RETURN_NONE;
     /* nothing traced (the general path records the launch) */
@@ -2521,10 +2591,10 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
     allocfunc alloc;
     int rc;
     if (device_buffer_type == NULL || device_alloc_type == NULL || !PyLong_CheckExact(size) ||
-        c->impl == NULL || !PyObject_TypeCheck(c->impl, stream_core_type))
+        c->impl == NULL || !is_a(c->impl, stream_core_type, stream_core_seen))
         Py_RETURN_NONE;
     sp = ((StreamCore *)c->impl)->spare;
-    if (sp == NULL || !PyObject_TypeCheck(sp, spare_core_type))
+    if (sp == NULL || !is_a(sp, spare_core_type, spare_core_seen))
         Py_RETURN_NONE;
     rc = context_open(c);
     if (rc <= 0)

@@ -55,13 +55,42 @@ _BASE_REFS = _tail_refs(deque([object()]))
 class _HostResult:
     """The value or error of host work on a polled stream, kept in the event's
     ``_value`` until the event is retired in order (a fault that fails the event
-    first must not be overwritten by the host work finishing later)."""
+    first must not be overwritten by the host work finishing later).
 
-    __slots__ = ("error", "value")
+    It also starts the host work enqueued right behind it on the same stream
+    (``follow``): that work needs only this work's end, which the host sees
+    first, not a marker's trip through the device and the engine's notice of it
+    (before 2026-12-05, 2,500 CPU functions on one stream each waited 1-4 ms
+    for that on the H200)."""
+
+    __slots__ = ("ended", "error", "next", "value")
 
     def __init__(self) -> None:
         self.value: Any = None
         self.error: BaseException | None = None
+        self.ended = False
+        self.next: Callable[[], None] | None = None
+
+    def end(self, value: Any, error: BaseException | None) -> Callable[[], None] | None:
+        """Record the result; returns the host work to start next, if any."""
+        self.value = value
+        self.error = error
+        with _follow_lock:
+            self.ended = True
+            nxt, self.next = self.next, None
+        return nxt
+
+    def follow(self, begin: Callable[[], None]) -> bool:
+        """Have ``begin`` called when this work ends (False: it has ended)."""
+        with _follow_lock:
+            if self.ended:
+                return False
+            assert self.next is None  # only the op right behind follows
+            self.next = begin
+            return True
+
+
+_follow_lock = threading.Lock()
 
 
 class _Gate:

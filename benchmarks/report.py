@@ -193,7 +193,8 @@ def render(doc: dict[str, Any]) -> str:
         v = "n/a" if g["value"] is None else f"{g['value']:.3f}"
         op = ">=" if g["better"] == "higher" else "<="
         met = {True: "yes", False: "**no**", None: "-"}[g["met"]]
-        out.append(f"| {g['goal']} | {v} | {op} {g['target']:g} | {met} |")
+        target = "" if g["target"] is None else f"{op} {g['target']:g}"
+        out.append(f"| {g['goal']} | {v} | {target} | {met} |")
     return "\n".join(out)
 
 

@@ -50,6 +50,25 @@ def test_cpu_functions_run_in_stream_order(ctx: DeviceContext) -> None:
     assert order == list(range(50))
 
 
+def test_a_cpu_function_right_behind_another_starts_when_that_one_returns(
+    ctx: DeviceContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back-to-back CPU functions on one stream hand over on the host: the second
+    starts once the first returns, without waiting for anyone to notice the
+    first one's event finish. Here nothing would (the engine's watcher is told
+    nothing), so a second function that waited for that would never start."""
+    from asyncgpu import _engine
+
+    monkeypatch.setattr(_engine.watcher, "watch", lambda stream, seq: None)
+    go, second_ran = threading.Event(), threading.Event()
+    first = ctx.enqueue_cpu_function(go.wait, TIMEOUT_S)
+    second = ctx.enqueue_cpu_function(second_ran.set)
+    go.set()
+    assert second_ran.wait(TIMEOUT_S), "the second function never started"
+    monkeypatch.undo()
+    assert first.synchronize() is True and second.synchronize() is None
+
+
 def test_cpu_functions_run_after_earlier_device_work(
     ctx: DeviceContext, rng: np.random.Generator
 ) -> None:

@@ -395,6 +395,36 @@ def test_the_rlock_excludes_other_threads() -> None:
     assert count[0] == 8000
 
 
+def test_a_thread_waiting_for_the_rlock_takes_it_once_the_holder_lets_go() -> None:
+    """A free RLock is taken without an OS lock (the GIL guards it), so waiting
+    goes through a wake-up that the release gives: the waiter gets the lock, and
+    a waiter that timed out in between leaves nothing that confuses the next."""
+    lock = _native.RLock()
+    lock.acquire()
+    started = threading.Event()
+    got: list[bool] = []
+
+    def waiter() -> None:
+        started.set()
+        got.append(lock.acquire())
+        got.append(lock._is_owned())
+        lock.release()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    started.wait()
+    gave_up: list[bool] = []
+    quitter = threading.Thread(target=lambda: gave_up.append(lock.acquire(timeout=0.05)))
+    quitter.start()
+    quitter.join()
+    assert gave_up == [False] and lock._is_owned()
+    lock.release()
+    t.join(30)
+    assert got == [True, True] and not t.is_alive()
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
 def test_a_stream_s_locks_are_the_extension_s() -> None:
     assert type(cuda._accel.hot_lock()) is _native.RLock
     gc.collect()
