@@ -17,6 +17,8 @@ Two completion styles exist:
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import sys
 import threading
 import time
@@ -91,6 +93,7 @@ class _HostResult:
 
 
 _follow_lock = threading.Lock()
+_waiter_order = itertools.count()  # ties between issue waiters: first come, first called
 
 
 class _Gate:
@@ -303,7 +306,10 @@ class _PolledStream(_StreamImpl, _StreamBase):
         self._fault: BaseException | None = None
         self._pending: deque[Any] | None = None  # not None: held (see the class doc)
         self._issued_mark = 0
-        self._issue_waiters: list[tuple[int, Callable[[], None]]] = []
+        # A heap of (seq, order, callback): the drain that issues a marker takes the
+        # waiters it covers from the top (a list scanned whole on every drain made
+        # 10,000 held operations take 12 s to drain on the H200, 2026-12-05).
+        self._issue_waiters: list[tuple[int, int, Callable[[], None]]] = []
 
     def _completed(self) -> int:
         """The highest sequence number known to have finished (never blocks)."""
@@ -487,13 +493,15 @@ class _PolledStream(_StreamImpl, _StreamBase):
             cb()
 
     def _take_issue_waiters(self) -> list[Callable[[], None]]:
+        """Under ``_submit_lock``: the callbacks of the waiters that the markers
+        handed to the driver so far cover, in the order they must run."""
         ws = self._issue_waiters
-        if not ws:
+        if not ws or ws[0][0] > self._issued_mark:
             return []
         mark = self._issued_mark
-        ready = [cb for s, cb in ws if s <= mark]
-        if ready:
-            self._issue_waiters = [(s, cb) for s, cb in ws if s > mark]
+        ready = []
+        while ws and ws[0][0] <= mark:
+            ready.append(heapq.heappop(ws)[2])
         return ready
 
     def _when_issued(self, seq: int, cb: Callable[[], None]) -> bool:
@@ -502,7 +510,7 @@ class _PolledStream(_StreamImpl, _StreamBase):
         with self._submit_lock:
             if self._issued_mark >= seq:
                 return False
-            self._issue_waiters.append((seq, cb))
+            heapq.heappush(self._issue_waiters, (seq, next(_waiter_order), cb))
             return True
 
     def _submit_failed(self, seq: int, err: BaseException) -> None:

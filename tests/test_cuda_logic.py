@@ -626,3 +626,29 @@ def test_a_copy_that_finds_no_kit_yet_makes_one_rather_than_fail() -> None:
     kits = cuda._StageKits(lambda: object(), limit=1)
     kits._made = 1  # promised by a reserve() still running in another thread
     assert kits.take() is not None
+
+
+# -- waiting for a held stream's markers to reach the driver --------------------------
+
+
+def test_issue_waiters_are_called_once_a_marker_covers_them_lowest_first() -> None:
+    """Another stream's held wait (``_when_issued``) is called back by the drain
+    that hands the driver a marker covering its operation: those covered, in the
+    order of their operations (ties: first come first), the others kept."""
+    s = cuda.CudaStream.__new__(cuda.CudaStream)
+    s._submit_lock = threading.RLock()
+    s._issue_waiters = []
+    s._issued_mark = 2
+    called: list[str] = []
+    assert not s._when_issued(2, lambda: called.append("covered already"))
+    for seq, name in [(7, "7"), (4, "4a"), (9, "9"), (4, "4b"), (3, "3")]:
+        assert s._when_issued(seq, lambda name=name: called.append(name))
+    s._issued_mark = 5
+    for cb in s._take_issue_waiters():
+        cb()
+    assert called == ["3", "4a", "4b"]
+    assert s._take_issue_waiters() == []  # nothing new is covered
+    s._issued_mark = 9
+    for cb in s._take_issue_waiters():
+        cb()
+    assert called == ["3", "4a", "4b", "7", "9"] and s._issue_waiters == []
