@@ -411,14 +411,27 @@ class _DeviceAlloc:
             self.buf.set_deallocation_stream(cs)
 
 
-class _CudaFunction:
+class _KernelFields:
+    """The field of a ``_CudaFunction`` that every launch reads: the argument plan
+    of its last launch (in ``asyncgpu._native.KernelCore`` where the extension is
+    built, which the C launch reads directly)."""
+
+    __slots__ = ("last",)
+
+
+if TYPE_CHECKING:
+    _KernelBase = _KernelFields
+else:
+    _KernelBase = _accel.c_base("KernelCore", _KernelFields)
+
+
+class _CudaFunction(_KernelBase):
     """The loaded kernel and what is cached for launching it."""
 
     __slots__ = (
         "fn",
         "handle",
         "kernel",
-        "last",
         "library",
         "name",
         "param_sizes",

@@ -301,6 +301,16 @@ typedef struct {
 
 static PyTypeObject *function_core_type = NULL;
 
+/* KernelCore: the field of a compiled CUDA function (_cuda._CudaFunction
+ * subclasses it) that every launch reads: the argument plan of its last launch. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *last;
+} KernelCore;
+
+static PyTypeObject *kernel_core_type = NULL;
+static PyTypeObject *kernel_core_seen[2];
+
 /* 1 if the buffer ``a`` may be used (it owns memory and its context is open),
  * 0 if not (the caller's general path raises the precise error), -1 on error.
  * core: ``a`` is a BufferCore (its fields are read directly). open_state: a
@@ -1846,7 +1856,14 @@ static PyObject *stream_launch(PyObject *self, PyObject *const *args, PyObject *
     }
     if (rc == 1) {
         unsigned long long func = s->fn_handle;
-        plan = PyObject_GetAttr(impl, s_last);
+        if (is_a(impl, kernel_core_type, kernel_core_seen)) {
+            plan = ((KernelCore *)impl)->last;
+            if (plan == NULL)
+                plan = Py_None;
+            Py_INCREF(plan);
+        } else {
+            plan = PyObject_GetAttr(impl, s_last);
+        }
         if (impl != s->fn_of) {
             handle = PyObject_GetAttr(impl, s_handle);
             if (handle == NULL || as_u64(handle, &func)) {
@@ -2194,6 +2211,40 @@ static void buffer_finalize(PyObject *self) {
         Py_DECREF(r);
     PyErr_Restore(et, ev, tb);
 }
+
+/* KernelCore (typedef above). */
+static PyMemberDef kernel_members[] = {
+    {"last", T_OBJECT, offsetof(KernelCore, last), 0, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int kernel_traverse(PyObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(((KernelCore *)self)->last);
+    return 0;
+}
+
+static int kernel_clear(PyObject *self) {
+    Py_CLEAR(((KernelCore *)self)->last);
+    return 0;
+}
+
+static void kernel_dealloc(PyObject *self) { dealloc_core(self, kernel_clear); }
+
+static PyType_Slot kernel_slots[] = {
+    {Py_tp_members, kernel_members},
+    {Py_tp_traverse, (void *)kernel_traverse},
+    {Py_tp_clear, (void *)kernel_clear},
+    {Py_tp_dealloc, (void *)kernel_dealloc},
+    {Py_tp_doc, "The field of a compiled CUDA function that every launch reads: the "
+                "argument plan of its last launch (asyncgpu._cuda subclasses this)."},
+    {0, NULL},
+};
+
+static PyType_Spec kernel_spec = {
+    "asyncgpu._native.KernelCore", sizeof(KernelCore), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC, kernel_slots,
+};
 
 /* StateCore and RefCore (typedefs above). */
 static PyMemberDef state_members[] = {
@@ -2888,6 +2939,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     ref_core_type = (PyTypeObject *)PyType_FromSpec(&ref_spec);
     if (ref_core_type == NULL)
         return NULL;
+    kernel_core_type = (PyTypeObject *)PyType_FromSpec(&kernel_spec);
+    if (kernel_core_type == NULL)
+        return NULL;
     m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
@@ -2900,6 +2954,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(rlock_type);
     Py_INCREF(state_core_type);
     Py_INCREF(ref_core_type);
+    Py_INCREF(kernel_core_type);
     if (PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0 ||
         PyModule_AddObject(m, "EventCore", (PyObject *)event_core_type) < 0 ||
         PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0 ||
@@ -2909,7 +2964,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddObject(m, "FunctionCore", (PyObject *)function_core_type) < 0 ||
         PyModule_AddObject(m, "RLock", (PyObject *)rlock_type) < 0 ||
         PyModule_AddObject(m, "StateCore", (PyObject *)state_core_type) < 0 ||
-        PyModule_AddObject(m, "RefCore", (PyObject *)ref_core_type) < 0) {
+        PyModule_AddObject(m, "RefCore", (PyObject *)ref_core_type) < 0 ||
+        PyModule_AddObject(m, "KernelCore", (PyObject *)kernel_core_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

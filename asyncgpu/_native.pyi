@@ -70,6 +70,11 @@ class SpareCore:
     def keep(self, allocation: object, nbytes: int, /) -> bool: ...
     def _take_all(self, close: bool, /) -> list[object]: ...
 
+class KernelCore:
+    """The argument plan of a compiled CUDA function's last launch."""
+
+    last: object
+
 class FunctionCore:
     """The fields of a DeviceFunction that a launch reads."""
 

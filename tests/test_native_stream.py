@@ -144,6 +144,28 @@ def test_a_launch_returns_the_event_of_the_next_operation(stream: Stream, driver
     assert stream.sweeps == [stream.s]  # the watcher sweeps a stream once it is touched
 
 
+class _Kernel(_native.KernelCore):
+    """A compiled function as ``_cuda._CudaFunction`` is one: its last plan in
+    ``KernelCore``'s C field, read without an attribute lookup."""
+
+    def __init__(self, plan: cuda._ArgPlan | None) -> None:
+        self._impl = self
+        self.last, self.handle, self.dims = plan, 0xF00, DIMS
+
+
+def test_the_last_plan_of_a_compiled_function_is_read_from_its_c_field(
+    stream: Stream, driver: Driver
+) -> None:
+    driver.nargs = 3
+    plan = stream.plan(ARGS, CODES)
+    f = _Kernel(plan)
+    assert issubclass(cuda._CudaFunction, _native.KernelCore)
+    ev = stream.s.launch(f, ARGS, f, ())
+    assert type(ev) is DeviceEvent and len(driver.launches) == 1
+    f.last = None  # no plan yet: the general path (here: handed back)
+    assert stream.s.launch(f, ARGS, f, ()) is None and len(driver.launches) == 1
+
+
 @pytest.mark.parametrize("why", ["held", "no parameter memory", "other type", "unusable buffer"])
 def test_what_the_fast_path_cannot_take_is_handed_back(
     stream: Stream, driver: Driver, why: str
