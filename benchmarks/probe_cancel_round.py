@@ -111,6 +111,35 @@ async def round_(ctx: DeviceContext, tasks: int, streams: int, kinds: set[int]) 
         )
 
 
+def staged(ctx: DeviceContext, n: int) -> None:
+    """Small pageable copies: the staged copy alone, then chained on one stream."""
+    buf = ctx.enqueue_create_buffer(np.int32, 8)
+    src = np.arange(8, dtype=np.int32)
+    ctx.synchronize()
+    from asyncgpu._buffer import _Span
+
+    backend = ctx._state.backend
+    host = _Span(src, writable=False)
+    if hasattr(backend, "staged_copy"):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            backend.staged_copy(buf, host, 32, True, None)
+        print(f"staged_copy alone: {(time.perf_counter() - t0) / n * 1e6:.1f} us each", flush=True)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ctx.enqueue_copy(buf, src)
+    ctx.synchronize()
+    print(f"chained on one stream: {(time.perf_counter() - t0) / n * 1e6:.1f} us each", flush=True)
+
+    async def awaited() -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            await ctx.enqueue_copy(buf, src)
+        return (time.perf_counter() - t) / n * 1e6
+
+    print(f"awaited one by one: {asyncio.run(awaited()):.1f} us each", flush=True)
+
+
 QUIET = False
 
 
@@ -122,9 +151,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kinds", default="0,1,2,3", help="kinds of operation (others: memsets)")
     p.add_argument("--quiet", action="store_true", help="no per-stream lines")
+    p.add_argument("--staged", type=int, default=0, help="only: N small pageable copies")
     a = p.parse_args()
     QUIET = a.quiet
     with DeviceContext(api=a.api) as ctx:
+        if a.staged:
+            staged(ctx, a.staged)
+            return
         for r in range(a.rounds):
             print(f"round {r + 1}", flush=True)
             asyncio.run(round_(ctx, a.tasks, 4, {int(k) for k in a.kinds.split(",")}))

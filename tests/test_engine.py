@@ -191,3 +191,41 @@ async def test_work_that_finishes_while_the_reactor_checks_for_faults_still_wake
     ev = s.submit()
     await asyncio.wait_for(ev, 10)  # the device finishes it only in the fault check
     assert ev._done and s.asked >= 1 and not s._inflight
+
+
+class _TickingClock(_Clock):
+    """A clock that moves 10 us each time it is read."""
+
+    def __call__(self) -> float:
+        self.now += 10e-6
+        return self.now
+
+
+@pytest.mark.asyncio
+async def test_a_new_await_makes_a_parked_reactor_poll_every_iteration_again(
+    monkeypatch,
+) -> None:
+    """A reactor with nothing moving parks on a timer (1-4 ms). A new await ends
+    the park and, as progress does, makes it poll once per loop iteration for
+    ``SPIN_S`` again: work that takes longer than the await's own brief spin is
+    then seen when it ends, not when the timer fires (the H200 took 1.1 ms for an
+    awaited small pageable copy, 2026-12-04)."""
+    clock = _TickingClock()
+    monkeypatch.setattr(_engine, "_monotonic", clock)
+    s = RecordingStream()
+    first = asyncio.ensure_future(_await(s.submit()))
+    reactor = reactor_for(asyncio.get_running_loop())
+    await asyncio.sleep(0)
+    clock.now += 1.0  # nothing has moved for a second: the reactor parks
+    for _ in range(100):
+        if reactor.park is not None:
+            break
+        await asyncio.sleep(0)
+    assert reactor.park is not None
+    second = asyncio.ensure_future(_await(s.submit()))
+    for _ in range(5):
+        await asyncio.sleep(0)
+        parked = reactor.park is not None and not reactor.park.done()
+        assert not parked, "the reactor parked again right after a new await"
+    s.done = s._seq
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
