@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import heapq
 import operator
 import os
@@ -39,6 +40,7 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ._event import _set_future
@@ -110,6 +112,7 @@ class _Reactor:
         "__weakref__",
         "batch",
         "deferred",
+        "held_waits",
         "kicked",
         "loop",
         "park",
@@ -131,6 +134,9 @@ class _Reactor:
         self.woke_at = 0.0
         self.task: asyncio.Task[None] | None = None
         self.kicked = False  # a new await ended the park: spin for SPIN_S again
+        # (stream, seq) whose marker's hand-over to the driver will wake this
+        # reactor (_behind_host_work)
+        self.held_waits: set[tuple[_PolledStream, int]] = set()
 
     def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any]:
         """A future that this reactor completes once ``ev`` is done (on the loop's
@@ -150,8 +156,7 @@ class _Reactor:
             # Parked on a timer: poll now instead, and keep polling every
             # iteration for SPIN_S, as after progress (else the reactor would
             # park again at once, and work that takes longer than the await's
-            # inline spin would be seen only when the timer fires: an awaited
-            # 70 us pageable copy took 1.1 ms on the H200, 2026-12-04).
+            # inline spin would be seen only when the 1-4 ms timer fires).
             self.kicked = True
             _set_future(self.park)
         return fut
@@ -184,6 +189,43 @@ class _Reactor:
                     break
             moved = True
         return moved
+
+    def _behind_host_work(self) -> bool:
+        """True when the first await of every pending stream waits for host work
+        (a CPU function, a staged copy) that has not yet let its marker reach the
+        driver; each such stream then wakes this reactor, from the thread that
+        hands that marker over, through ``call_soon_threadsafe``.
+
+        Polling every iteration cannot see that work finish sooner, and it keeps
+        the GIL from the pool threads doing the work: a spinning loop takes the
+        GIL back as soon as it drops it, so a pool thread waits for the switch
+        interval (on the H200 an awaited small pageable copy took 1.13 ms this
+        way, 2026-12-04, where the copy itself takes 19 us)."""
+        if not self.pending:
+            return False
+        for stream, awaits in self.pending.items():
+            seq = awaits[0][0]
+            if stream._pending is None or stream._issued_mark >= seq:
+                return False  # the device may finish it at any moment
+        for stream, awaits in self.pending.items():
+            key = (stream, awaits[0][0])
+            if key in self.held_waits:
+                continue
+            if not stream._when_issued(key[1], partial(self._wake_from, key)):
+                return False  # handed over meanwhile
+            self.held_waits.add(key)
+        return True
+
+    def _wake_from(self, key: tuple[_PolledStream, int]) -> None:
+        """From the thread that handed the driver the marker of ``key``."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to wake
+            self.loop.call_soon_threadsafe(self._woken_by, key)
+
+    def _woken_by(self, key: tuple[_PolledStream, int]) -> None:
+        self.held_waits.discard(key)
+        self.kicked = True
+        if self.park is not None:
+            _set_future(self.park)
 
     def _check_faults(self) -> None:
         """Ask the driver whether a stream with pending awaits has faulted. A
@@ -228,7 +270,8 @@ class _Reactor:
                     await sleep(0)
                     continue
                 now = _monotonic()
-                if now - last < SPIN_S:
+                behind = self._behind_host_work()
+                if now - last < SPIN_S and not behind:
                     await sleep(0)
                     continue
                 if now - checked >= FAULT_CHECK_S:
@@ -305,6 +348,7 @@ def polled_future(
         ready is not None
         and not reactor.pending
         and len(ready) <= (reactor.task is not None and not reactor.deferred)
+        and (stream._pending is None or stream._issued_mark >= ev._seq)  # not behind host work
     ):
         completed = stream._completed
         seq = ev._seq

@@ -229,3 +229,28 @@ async def test_a_new_await_makes_a_parked_reactor_poll_every_iteration_again(
         assert not parked, "the reactor parked again right after a new await"
     s.done = s._seq
     await asyncio.wait_for(asyncio.gather(first, second), 10)
+
+
+@pytest.mark.asyncio
+async def test_an_await_behind_host_work_parks_until_that_work_hands_its_marker_over() -> None:
+    """Work behind host work (a CPU function, a staged copy) cannot finish before
+    that host work does, and a loop that polls every iteration meanwhile keeps
+    the GIL from the pool thread doing it. So the reactor parks, and the thread
+    that ends the host work wakes it once the marker is with the driver."""
+    from test_held_submission import ModelStream
+
+    s = ModelStream("s", [])
+    ev, gate = s.host_work()
+    waiting = asyncio.ensure_future(_await(ev))
+    reactor = reactor_for(asyncio.get_running_loop())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert reactor.park is not None and not reactor.park.done(), "it polls instead of parking"
+    assert reactor.held_waits == {(s, ev._seq)}
+    ended = threading.Thread(target=s._open, args=(gate,))  # the pool thread's finish
+    ended.start()
+    ended.join()
+    await asyncio.sleep(0)  # the wake-up it sent through call_soon_threadsafe runs
+    assert not reactor.held_waits and (reactor.park is None or reactor.park.done())
+    await asyncio.wait_for(waiting, 10)
+    assert ev._done
