@@ -139,6 +139,14 @@ def staged(ctx: DeviceContext, n: int) -> None:
 
     print(f"awaited one by one: {asyncio.run(awaited()):.1f} us each", flush=True)
 
+    async def awaited_cpu() -> float:
+        t = time.perf_counter()
+        for i in range(n):
+            await ctx.enqueue_cpu_function(int.__mul__, i, 3)
+        return (time.perf_counter() - t) / n * 1e6
+
+    print(f"CPU function awaited one by one: {asyncio.run(awaited_cpu()):.1f} us each", flush=True)
+
 
 QUIET = False
 
