@@ -652,3 +652,21 @@ def test_issue_waiters_are_called_once_a_marker_covers_them_lowest_first() -> No
     for cb in s._take_issue_waiters():
         cb()
     assert called == ["3", "4a", "4b", "7", "9"] and s._issue_waiters == []
+
+
+def test_host_work_starts_the_host_work_behind_it_when_it_ends() -> None:
+    """The result of host work on a polled stream hands over to the host work
+    enqueued right behind it: ``follow`` before the end, and ``end`` returns what
+    to start; after the end ``follow`` says no, and the caller starts it."""
+    from asyncgpu._stream import _HostResult
+
+    r = _HostResult()
+    started: list[str] = []
+    assert r.follow(lambda: started.append("next"))
+    after = r.end(42, None)
+    assert (r.value, r.error, r.ended) == (42, None, True) and started == []
+    assert after is not None
+    after()
+    assert started == ["next"]
+    assert not r.follow(lambda: started.append("too late"))
+    assert started == ["next"]

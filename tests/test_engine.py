@@ -254,3 +254,27 @@ async def test_an_await_behind_host_work_parks_until_that_work_hands_its_marker_
     assert not reactor.held_waits and (reactor.park is None or reactor.park.done())
     await asyncio.wait_for(waiting, 10)
     assert ev._done
+
+
+@pytest.mark.asyncio
+async def test_the_reactor_polls_on_while_any_stream_it_waits_on_is_not_behind_host_work() -> None:
+    """Parking is for awaits that nothing but host work can finish: one await on
+    a stream that the device may finish at any moment keeps the reactor polling,
+    and a held stream's wake-up is asked for once, however often it parks."""
+    from test_held_submission import ModelStream
+
+    reactor = _engine._Reactor(asyncio.get_running_loop())
+    held = ModelStream("held", [])
+    ev, gate = held.host_work()
+    held._need(ev)  # its marker waits behind the gate
+    first = reactor.add(held, ev)
+    assert reactor._behind_host_work() and reactor._behind_host_work()
+    assert len(held._issue_waiters) == 1  # asked once
+    free = RecordingStream()
+    second = reactor.add(free, free.submit())
+    assert not reactor._behind_host_work()
+    held._open(gate)  # the hand-over wakes the reactor through its loop
+    await asyncio.sleep(0)
+    assert not reactor.held_waits and not held._issue_waiters
+    free.finish_all()
+    await asyncio.wait_for(asyncio.gather(first, second), 10)
