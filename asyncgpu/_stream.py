@@ -62,7 +62,7 @@ class _HostResult:
     It also starts the host work enqueued right behind it on the same stream
     (``follow``): that work needs only this work's end, which the host sees
     first, not a marker's trip through the device and the engine's notice of it
-    (before 2026-12-05, 2,500 CPU functions on one stream each waited 1-4 ms
+    (until 2026-12-04, 2,500 CPU functions on one stream each waited 1-4 ms
     for that on the H200)."""
 
     __slots__ = ("ended", "error", "next", "value")
@@ -308,7 +308,7 @@ class _PolledStream(_StreamImpl, _StreamBase):
         self._issued_mark = 0
         # A heap of (seq, order, callback): the drain that issues a marker takes the
         # waiters it covers from the top (a list scanned whole on every drain made
-        # 10,000 held operations take 12 s to drain on the H200, 2026-12-05).
+        # 10,000 held operations take 12 s to drain on the H200, 2026-12-04).
         self._issue_waiters: list[tuple[int, int, Callable[[], None]]] = []
 
     def _completed(self) -> int:

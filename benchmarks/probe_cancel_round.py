@@ -37,7 +37,9 @@ def _state(s: object) -> str:
     )
 
 
-async def round_(ctx: DeviceContext, tasks: int, streams: int, kinds: set[int]) -> None:
+async def round_(
+    ctx: DeviceContext, tasks: int, streams: int, kinds: set[int], quiet: bool
+) -> None:
     go = threading.Event()
     t0 = time.perf_counter()
     held = ctx.enqueue_cpu_function(go.wait, 60)
@@ -94,7 +96,7 @@ async def round_(ctx: DeviceContext, tasks: int, streams: int, kinds: set[int]) 
     while not all(w.done() for w in waits):
         await asyncio.wait(waits, timeout=0.5)
         now = time.perf_counter() - t3
-        for k, s in enumerate(impls if not QUIET else ()):
+        for k, s in enumerate(() if quiet else impls):
             mark = f"done at {finished[k]:.3f} s" if k in finished else _state(s)
             print(f"  {now:6.2f} s stream {k}: {mark}", flush=True)
         if now > 120:
@@ -148,11 +150,7 @@ def staged(ctx: DeviceContext, n: int) -> None:
     print(f"CPU function awaited one by one: {asyncio.run(awaited_cpu()):.1f} us each", flush=True)
 
 
-QUIET = False
-
-
 def main() -> None:
-    global QUIET
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--api", default=None)
     p.add_argument("--tasks", type=int, default=10_000)
@@ -161,14 +159,14 @@ def main() -> None:
     p.add_argument("--quiet", action="store_true", help="no per-stream lines")
     p.add_argument("--staged", type=int, default=0, help="only: N small pageable copies")
     a = p.parse_args()
-    QUIET = a.quiet
     with DeviceContext(api=a.api) as ctx:
         if a.staged:
             staged(ctx, a.staged)
             return
         for r in range(a.rounds):
             print(f"round {r + 1}", flush=True)
-            asyncio.run(round_(ctx, a.tasks, 4, {int(k) for k in a.kinds.split(",")}))
+            kinds = {int(k) for k in a.kinds.split(",")}
+            asyncio.run(round_(ctx, a.tasks, 4, kinds, a.quiet))
 
 
 if __name__ == "__main__":
