@@ -5,6 +5,11 @@ timed by phase, with each stream's state printed every half second while the
 streams drain, and when each stream finished.
 
     python benchmarks/probe_cancel_round.py [--api cuda] [--tasks 10000]
+    python benchmarks/probe_cancel_round.py --api cuda --staged 2000 [--switch-interval 0.0001]
+
+``--switch-interval`` sets ``sys.setswitchinterval`` for the run (CPython's
+default is 0.005 s): if the gaps between host work shrink with it, threads are
+waiting for the GIL (a diagnostic only; asyncgpu never changes it).
 
 A diagnostic: nothing here is a benchmark figure.
 """
@@ -149,6 +154,32 @@ def staged(ctx: DeviceContext, n: int) -> None:
 
     print(f"CPU function awaited one by one: {asyncio.run(awaited_cpu()):.1f} us each", flush=True)
 
+    # CPU functions chained on one stream while copies chain on another: the
+    # pattern of the 10,000-task round, without its tasks and cancellations.
+    calls: list[float] = []
+
+    def mul(i: int) -> int:
+        calls.append(time.perf_counter())
+        return i * 3
+
+    on_cpu, on_copy = ctx.create_stream().context(), ctx.create_stream().context()
+    t0 = time.perf_counter()
+    for i in range(n):
+        on_cpu.enqueue_cpu_function(mul, i)
+        on_copy.enqueue_copy(buf, src)
+    on_cpu.synchronize()
+    t_cpu = time.perf_counter() - t0
+    on_copy.synchronize()
+    t_all = time.perf_counter() - t0
+    gaps = sorted(b - a for a, b in itertools.pairwise(calls))
+    q = [gaps[int(f * (len(gaps) - 1))] * 1e6 for f in (0.1, 0.5, 0.9, 0.99)]
+    print(
+        f"side by side: CPU functions {t_cpu / n * 1e6:.1f} us each "
+        f"(gaps p10/p50/p90/p99 {q[0]:.0f}/{q[1]:.0f}/{q[2]:.0f}/{q[3]:.0f} us), "
+        f"copies done after {t_all / n * 1e6:.1f} us each",
+        flush=True,
+    )
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -158,7 +189,11 @@ def main() -> None:
     p.add_argument("--kinds", default="0,1,2,3", help="kinds of operation (others: memsets)")
     p.add_argument("--quiet", action="store_true", help="no per-stream lines")
     p.add_argument("--staged", type=int, default=0, help="only: N small pageable copies")
+    p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval")
     a = p.parse_args()
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
+    print(f"switch interval {sys.getswitchinterval()} s", flush=True)
     with DeviceContext(api=a.api) as ctx:
         if a.staged:
             staged(ctx, a.staged)
