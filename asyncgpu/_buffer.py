@@ -37,6 +37,11 @@ def as_dtype(dtype: Any) -> np.dtype[Any]:
         raise TypeError(f"{dtype!r} is not a dtype NumPy knows: {e}") from None
     if dt.hasobject or dt.itemsize == 0:
         raise TypeError(f"{dt} cannot live in device memory (object or zero-size dtype)")
+    if dt.subdtype is not None:
+        raise TypeError(
+            f"{dt} is a subarray dtype; use its element type {dt.subdtype[0]} and "
+            f"{int(np.prod(dt.subdtype[1]))} times the size"
+        )
     return dt
 
 
@@ -206,6 +211,14 @@ class _BufferBase(_BufferFieldsBase):
         """Make ``ctx``'s current stream the owner: later frees and cross-stream
         copies are ordered on it. Its stream first waits for the old owner."""
         self._check()
+        from ._context import DeviceContext
+
+        if not isinstance(ctx, DeviceContext):
+            raise TypeError(
+                "reassign_ownership_to takes a DeviceContext (for a stream: "
+                f"stream.context()), not {type(ctx).__name__}"
+            )
+        ctx._check_open()
         new = ctx._impl
         if new.state is not self._owner.state:
             raise ValueError("a buffer can only move to a stream of the same device context")
@@ -452,6 +465,7 @@ class _HostMapping:
 
     def __enter__(self) -> HostBuffer:
         buf = self._buf
+        buf._check()
         ctx = buf.context()
         if self._direct():
             ctx.synchronize()
@@ -467,6 +481,7 @@ class _HostMapping:
 
     async def __aenter__(self) -> HostBuffer:
         buf = self._buf
+        buf._check()
         ctx = buf.context()
         if self._direct():
             await ctx

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -161,6 +162,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     try:
         dflt = default_api()
+    except ValueError as e:  # a bad ASYNCGPU_API
+        return _fail(str(e))
     except Exception as e:
         dflt = f"unknown ({type(e).__name__}: {e})"
     apis = ["cpu", "cuda"] if args.api is None else [args.api]
@@ -392,6 +395,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:
         return _fail("interrupted")
+    except BrokenPipeError:
+        # The reader went away (``asyncgpu info | head -1``): end quietly, with
+        # stdout pointed at /dev/null so that the interpreter's last flush does
+        # not raise again (the recipe of Python's signal module docs).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()

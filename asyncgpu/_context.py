@@ -14,15 +14,17 @@ import inspect
 import numbers
 import os
 import threading
+import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from . import _engine
 from ._accel import c_base, native
 from ._buffer import DeviceBuffer, HostBuffer, _BufferBase, _Pointer, _Span, as_dtype, check_size
 from ._errors import ContextClosedError, NoDeviceError, UnsupportedError
-from ._event import DeviceEvent
+from ._event import DeviceEvent, _UserEvent
 from ._function import DeviceFunction, Kernel
 from ._stream import DeviceStream, _StreamImpl
 from ._trace import Trace
@@ -73,7 +75,10 @@ def default_api() -> str:
     ``"cpu"``."""
     env = os.environ.get("ASYNCGPU_API")
     if env:
-        return env.strip().lower()
+        api = env.strip().lower()
+        if api not in ("cpu", "cuda"):
+            raise ValueError(f"ASYNCGPU_API must be cpu or cuda, not {env!r}")
+        return api
     return "cuda" if _cuda_available() else "cpu"
 
 
@@ -175,13 +180,17 @@ else:
 
 
 class _Ref(_RefBase):
-    """One reference to a context state (a handle and the views made from it)."""
+    """One reference to a context state (a handle and the views made from it).
+    ``owner`` is a weak reference to the handle whose ``close`` releases it (a
+    view's ``close`` does not, while that handle lives)."""
 
-    __slots__ = ()
+    __slots__ = ("owner",)
     open: bool
+    owner: weakref.ref[DeviceContext] | None
 
     def __init__(self) -> None:
         self.open = True
+        self.owner = None
 
 
 class _ContextFields:
@@ -228,29 +237,42 @@ class DeviceContext(_ContextBase):
         copy: DeviceContext | None = None,
     ) -> None:
         if copy is not None:
+            if not isinstance(copy, DeviceContext):
+                raise TypeError(f"copy= takes a DeviceContext, not {type(copy).__name__}")
             copy._check_open()
             with copy._state.lock:
                 copy._state.refs += 1
             self._state = copy._state
             self._impl = copy._impl
             self._ref = _Ref()
+            self._ref.owner = weakref.ref(self)
             return
         if isinstance(device_id, bool) or not isinstance(device_id, (int, np.integer)):
             raise TypeError(f"device_id must be an int, not {device_id!r}")
+        if api is not None and not isinstance(api, str):
+            raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
         api = (api or default_api()).lower()
         if num_streams is None:
             num_streams = int(os.environ.get("ASYNCGPU_NUM_STREAMS", _DEFAULT_NUM_STREAMS))
+        elif isinstance(num_streams, bool) or not isinstance(num_streams, (int, np.integer)):
+            raise TypeError(f"num_streams must be an int, not {num_streams!r}")
+        num_streams = int(num_streams)
         if num_streams < 1:
             raise ValueError(f"num_streams must be at least 1, got {num_streams}")
         self._state = _ContextState(api, int(device_id), num_streams)
         self._impl = self._state.stream(0)
         self._ref = _Ref()
+        self._ref.owner = weakref.ref(self)
         _live_states.add(self._state)
         if os.environ.get("ASYNCGPU_TRACE"):
             self._state.trace = Trace(path=os.environ["ASYNCGPU_TRACE"])
 
     def _view(self, impl: _StreamImpl | None) -> DeviceContext:
-        if impl is self._impl or impl is None:
+        """A view of this context bound to ``impl`` (a new object, so that closing
+        it never closes the handle it came from; this one if it is such a view)."""
+        if impl is None:
+            impl = self._impl
+        if impl is self._impl and self._is_view():
             return self
         v = object.__new__(DeviceContext)
         v._state = self._state
@@ -264,12 +286,33 @@ class DeviceContext(_ContextBase):
 
     # -- lifetime --------------------------------------------------------------------------
 
+    def _is_view(self) -> bool:
+        """A view (``select_stream``, ``stream.context()``, ``buffer.context()``)
+        of a handle that is still alive."""
+        owner = self._ref.owner
+        if owner is None:
+            return False
+        handle = owner()
+        return handle is not None and handle is not self
+
     def close(self) -> None:
         """Release this reference; the last one waits for all work and frees
-        everything. Using the context afterwards raises ``ContextClosedError``."""
+        everything. Using the context afterwards raises ``ContextClosedError``.
+
+        On a view, this only waits for the view's stream (its work so far): the
+        context stays open until the handle it came from (or, if that handle is
+        gone, a view of it) is closed."""
         ref = self._ref
         if not ref.open:
             return
+        if self._is_view():
+            if not self._state.closed:
+                self._impl.synchronize()
+            return
+        running = _engine.host_work.stream
+        if running is not None and running.state is self._state and self._state.refs == 1:
+            # The last reference would wait for all work, this CPU function's too.
+            _engine.refuse_wait_from_own_work(running)
         ref.open = False
         state = self._state
         with state.lock:
@@ -296,6 +339,12 @@ class DeviceContext(_ContextBase):
         """Await all work on every stream of the context, then close it. If the
         awaiting task is cancelled, the context is still closed: a background thread
         waits for the work and releases everything, and the loop never blocks."""
+        if self._is_view():  # (see close)
+            if self._ref.open and not self._state.closed:
+                ev = self._impl.tail()
+                if ev is not None:
+                    await _Wait(ev)
+            return
         try:
             if self._ref.open and not self._state.closed:
                 for s in self._state.all_streams():
@@ -385,11 +434,15 @@ class DeviceContext(_ContextBase):
         """True if this device can address ``peer``'s memory directly
         (``cuDeviceCanAccessPeer``; a device always reaches itself)."""
         self._check_open()
+        if not isinstance(peer, DeviceContext):
+            raise TypeError(f"can_access takes a DeviceContext, not {type(peer).__name__}")
         return bool(self._state.backend.can_access(peer._state.backend))
 
     def enable_peer_access(self, peer: DeviceContext) -> None:
         """Let this device address ``peer``'s memory (``cuCtxEnablePeerAccess``)."""
         self._check_open()
+        if not isinstance(peer, DeviceContext):
+            raise TypeError(f"enable_peer_access takes a DeviceContext, not {type(peer).__name__}")
         self._state.backend.enable_peer_access(peer._state.backend)
 
     def supports_multicast(self) -> bool:
@@ -467,6 +520,9 @@ class DeviceContext(_ContextBase):
         """A new stream outside the pool (``cuStreamCreateWithPriority``,
         non-blocking). ``priority`` must lie in ``stream_priority_range()``."""
         self._check_open()
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise TypeError(f"priority must be an int, not {priority!r}")
+        priority = int(priority)
         rng = self._state.backend.priority_range()
         lo, hi = sorted((rng.least, rng.greatest))
         if not lo <= priority <= hi:
@@ -499,8 +555,9 @@ class DeviceContext(_ContextBase):
         """A user event to record on streams (``cuEventCreate`` with the matching
         flags). It is done until first recorded."""
         self._check_open()
-        ev = DeviceEvent(None)
-        self._state.backend.init_user_event(ev, blocking_sync, disable_timing, interprocess)
+        state = self._state
+        ev = _UserEvent._new((state.api, state.device_id))
+        state.backend.init_user_event(ev, blocking_sync, disable_timing, interprocess)
         ev._done = True
         return ev
 
@@ -516,8 +573,12 @@ class DeviceContext(_ContextBase):
         never blocks (``cuStreamWaitValue64`` / ``cuStreamWaitEvent``)."""
         self._check_open()
         source: _StreamImpl | None = None
-        if isinstance(other, DeviceEvent):
-            ev: DeviceEvent | None = other
+        if isinstance(other, _UserEvent):
+            # The point of its latest record, as it stands now: a later record
+            # does not move this wait (cuStreamWaitEvent's snapshot).
+            ev: DeviceEvent | None = other._wait_point()
+        elif isinstance(other, DeviceEvent):
+            ev = other
         elif isinstance(other, DeviceContext):
             other._check_open()
             source = other._impl
@@ -579,7 +640,8 @@ class DeviceContext(_ContextBase):
         """Copy between device buffers, host buffers, NumPy arrays (host spans) and raw
         addresses, on the current stream (``cuMemcpyAsync``).
 
-        * buffer <- buffer: both the same dtype and length;
+        * buffer <- buffer: the same dtype; the destination's length is copied, and
+          the source has at least as many elements;
         * buffer <- array / array <- buffer: the array has at least as many
           elements as the buffer; the buffer's length is copied;
         * buffer <- int address / int address <- buffer: the buffer's length;
@@ -614,9 +676,12 @@ class DeviceContext(_ContextBase):
             d_buf = isinstance(d, _BufferBase)
             s_buf = isinstance(s, _BufferBase)
             if d_buf and s_buf:
-                if d._size != s._size:
+                # The destination's size is copied (the reference's rule); a source
+                # with fewer elements is refused rather than read past its end.
+                if s._size < d._size:
                     raise ValueError(
-                        f"buffer sizes differ: destination has {d._size} elements, source {s._size}"
+                        f"the source buffer has {s._size} elements; the destination buffer "
+                        f"needs {d._size}"
                     )
                 nbytes = d._nbytes
             elif d_buf:
@@ -635,6 +700,14 @@ class DeviceContext(_ContextBase):
                 nbytes = s._nbytes
             else:
                 raise TypeError("enqueue_copy needs a buffer on at least one side")
+        dp, sp = d._ptr, s._ptr
+        if nbytes and dp != sp and dp < sp + nbytes and sp < dp + nbytes:
+            # cuMemcpy has no overlap rule (and the CPU device copies large ranges
+            # in parallel pieces): refused on every device, never a wrong result.
+            raise ValueError(
+                f"the copy's source and destination overlap ({nbytes} bytes at "
+                f"{sp:#x} and {dp:#x}); copy through a separate buffer"
+            )
         impl = self._impl
         owners: tuple[_StreamImpl, ...] = ()
         tails: tuple[DeviceEvent, ...] = ()
@@ -661,6 +734,8 @@ class DeviceContext(_ContextBase):
     def _operand(self, obj: Any, writable: bool) -> Any:
         if isinstance(obj, _BufferBase):
             obj._check()
+            if writable:
+                _check_writable(obj)
             ostate = obj._ctx._state
             if ostate is not self._state and ostate.api != self._state.api:
                 raise ValueError(
@@ -722,6 +797,7 @@ class DeviceContext(_ContextBase):
         if not isinstance(dst, _BufferBase):
             raise TypeError(f"enqueue_memset needs a DeviceBuffer or HostBuffer, not {dst!r}")
         dst._check()
+        _check_writable(dst)
         value = _scalar_for(dst._dtype, val)
         if dst._dtype.itemsize not in (1, 2, 4, 8):
             raise TypeError(f"memset supports 1, 2, 4 and 8-byte elements, not {dst._dtype}")
@@ -793,13 +869,21 @@ class DeviceContext(_ContextBase):
             if f._ctx._state is not self._state:
                 raise ValueError("this DeviceFunction was compiled for another context")
             return f
-        key = (id(f), func_attribute)
-        fn = self._state.compiled.get(key)
+        if not isinstance(f, (Kernel, str)) and not callable(f):
+            raise TypeError(f"cannot launch {type(f).__name__}; pass a DeviceFunction")
+        # Keyed by the object itself, not its id: a bound method is a new object at
+        # each ``obj.method``, and a dead one's id is soon another's (until
+        # 2026-12-04 that launched the wrong method's kernel). An unhashable one
+        # is compiled each time.
+        try:
+            key: Any = ("launch", f, func_attribute)
+            fn = self._state.compiled.get(key)
+        except TypeError:
+            key, fn = None, None
         if fn is None or fn._impl is None:
-            if not isinstance(f, (Kernel, str)) and not callable(f):
-                raise TypeError(f"cannot launch {type(f).__name__}; pass a DeviceFunction")
             fn = self.compile_function(f, func_attribute=func_attribute)
-            self._state.compiled[key] = fn
+            if key is not None:
+                self._state.compiled[key] = fn
         return fn
 
     def enqueue_function(
@@ -835,6 +919,11 @@ class DeviceContext(_ContextBase):
         ):
             # (without attributes, a plain tuple: the usual launch's hot path)
             if attributes:
+                if not all(isinstance(a, LaunchAttribute) for a in attributes):
+                    # (raises the TypeError that names them, before they are hashed)
+                    self._launch_config(
+                        f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
+                    )
                 key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes, *attributes)
             else:
                 key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes)
@@ -930,6 +1019,7 @@ class DeviceContext(_ContextBase):
         self._check_open()
         if not callable(func):
             raise TypeError(f"enqueue_cpu_function needs a callable, not {func!r}")
+        _refuse_coroutine_function(func, "enqueue_cpu_function")
         ev = self._impl.cpu_call(func, args, kwargs)
         if self._state.trace is not None:
             self._state.trace.record(self._impl, ev, "cpu", getattr(func, "__name__", "cpu"))
@@ -942,6 +1032,7 @@ class DeviceContext(_ContextBase):
         self._check_open()
         if not callable(func):
             raise TypeError(f"enqueue_cpu_range needs a callable, not {func!r}")
+        _refuse_coroutine_function(func, "enqueue_cpu_range")
         count = check_size(count)
         ev = self._impl.cpu_range(func, count)
         if self._state.trace is not None:
@@ -1066,6 +1157,27 @@ def _completed() -> DeviceEvent:
     return ev
 
 
+def _check_writable(buf: _BufferBase) -> None:
+    """``ValueError`` for a buffer that wraps another library's read-only memory."""
+    if getattr(buf._alloc, "readonly", False):
+        raise ValueError(
+            f"this {type(buf).__name__} wraps read-only memory (exported read-only by its "
+            "owner); it cannot be written"
+        )
+
+
+def _refuse_coroutine_function(func: Any, what: str) -> None:
+    """CPU work runs on pool threads, with no event loop: an ``async def``
+    function would only make a coroutine that nobody runs."""
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+        getattr(func, "__call__", None)  # noqa: B004 (an object whose __call__ is async)
+    ):
+        raise TypeError(
+            f"{what} runs plain functions on the CPU pool; {func!r} is an async function "
+            "(await it in a task instead)"
+        )
+
+
 def _scalar_for(dt: np.dtype[Any], val: Any) -> np.generic:
     """The memset value ``val`` as one element of ``dt``: a NumPy scalar whose bytes
     (as the backends write them) are that element. ``ValueError`` unless ``val`` is
@@ -1088,6 +1200,8 @@ def _scalar_for(dt: np.dtype[Any], val: Any) -> np.generic:
                 raise ValueError(f"{val!r} does not fit {dt}")
             out = dt.type(v)
         elif dt.kind == "b":
+            if val not in (0, 1) or isinstance(val, (complex, np.complexfloating)):
+                raise ValueError(f"{val!r} does not fit {dt} (0, 1, True or False)")
             out = dt.type(bool(val))
         else:
             with np.errstate(over="raise"):  # 1e300 does not fit float32: no silent inf

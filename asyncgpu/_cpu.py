@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import os
 import platform
 import threading
@@ -21,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._engine import cpu_pool, pool_size
+from ._buffer import _BufferBase
+from ._engine import cpu_pool, host_work, pool_size
 from ._errors import CompileError, UnsupportedError
-from ._event import DeviceEvent
+from ._event import DeviceEvent, _UserEvent
 from ._function import DeviceFunction, Kernel, ThreadBlock, reject_python_scalar
 from ._stream import _StreamImpl
 from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
@@ -171,11 +173,13 @@ class CpuStream(_StreamImpl):
             lock = threading.Lock()
 
             def chunk(lo: int, hi: int) -> None:
+                host_work.stream, host_work.seq = self, ev._seq
                 try:
                     work(lo, hi)
                 except BaseException as e:
                     with lock:
                         errors.append(e)
+                host_work.stream = None
                 with lock:
                     left[0] -= 1
                     last = left[0] == 0
@@ -235,6 +239,7 @@ class CpuStream(_StreamImpl):
         for n, a in enumerate(args):
             reject_python_scalar(n, a)
         body = fn._impl
+        _check_arity(body, fn.name, len(args))
         host_args = tuple(_kernel_arg(a) for a in args)
         tidx = ThreadBlock.thread_indices(block)
         gx, gy = grid.x, grid.y
@@ -252,16 +257,18 @@ class CpuStream(_StreamImpl):
     def tail(self) -> DeviceEvent | None:
         return self._tail
 
-    def record(self, ev: DeviceEvent) -> None:
-        ev._done = False
-        ev._error = None
-        ev._stream = self
-        prev = self._tail
+    def record(self, ev: _UserEvent) -> None:
+        with self._lock:
+            prev = self._tail
+            seq = self._seq
+        ev._repoint(self, seq, prev)
 
         def stamp(_d: DeviceEvent | None = None) -> None:
+            if ev._stream is not self or ev._seq != seq:
+                return  # recorded again since: that record finishes it
             if ev._timing is not False:
                 ev._timing = time.perf_counter_ns()
-            ev._finish(None, None)
+            ev._finish_at(self, seq, None)
 
         if prev is None or prev._done:
             stamp()
@@ -270,11 +277,14 @@ class CpuStream(_StreamImpl):
 
 
 def _run(ev: DeviceEvent, fn: Callable[[], Any]) -> None:
+    host_work.stream, host_work.seq = ev._stream, ev._seq
     try:
         value = fn()
     except BaseException as e:
+        host_work.stream = None
         ev._finish(None, e)
     else:
+        host_work.stream = None
         ev._finish(value, None)
 
 
@@ -297,7 +307,35 @@ def _range_work(fn: Callable[[int], Any]) -> Callable[[int, int], None]:
     return work
 
 
+_arity: dict[tuple[Any, int], str | None] = {}  # (body, argument count): the error, if any
+
+
+def _check_arity(body: Any, name: str, nargs: int) -> None:
+    """``TypeError`` at the launch, not once per block at the await, when the
+    kernel body cannot take ``nargs`` arguments after its thread block (checked
+    once per body and count)."""
+    try:
+        err = _arity[(body, nargs)]
+    except (KeyError, TypeError):
+        try:
+            inspect.signature(body).bind(None, *range(nargs))
+            err = None
+        except TypeError as e:
+            err = f"kernel {name!r} takes other arguments than the {nargs} given: {e}"
+        except ValueError:  # no signature to read (a builtin): the launch tells
+            err = None
+        with contextlib.suppress(TypeError):  # (an unhashable body: not kept)
+            _arity[(body, nargs)] = err
+    if err is not None:
+        raise TypeError(err)
+
+
 def _kernel_arg(a: Any) -> Any:
+    """A kernel argument as the CPU kernel body sees it: a buffer (after the
+    checks every use of a buffer makes: its context open, its memory not taken)
+    becomes a NumPy view of its memory."""
+    if isinstance(a, _BufferBase):
+        a._check()
     hostbytes = getattr(a, "_hostbytes", None)
     if hostbytes is not None:
         return hostbytes.view(a._dtype)

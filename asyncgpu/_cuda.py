@@ -39,7 +39,7 @@ import numpy as np
 from . import _accel, _interop
 from ._buffer import DeviceBuffer, HostBuffer
 from ._compiler import compile_cuda, dump_sass, write_dump
-from ._engine import cpu_pool, pool_size, watcher
+from ._engine import cpu_pool, host_work, pool_size, refuse_wait_from_own_work, watcher
 from ._errors import (
     CompileError,
     DeviceError,
@@ -48,7 +48,7 @@ from ._errors import (
     NoDeviceError,
     UnsupportedError,
 )
-from ._event import DeviceEvent
+from ._event import DeviceEvent, _UserEvent
 from ._function import DeviceExternalFunction, DeviceFunction, Kernel, reject_python_scalar
 from ._stream import _Gate, _HardwareQueues, _HostResult, _PolledStream, _StreamImpl
 from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
@@ -907,11 +907,13 @@ class CudaStream(_PolledStream):
         start: Callable[[Callable[[Any, BaseException | None], None]], None],
         keep: Any,
         after_prev: bool = True,
+        seq_to: list[int] | None = None,
     ) -> DeviceEvent:
         """Enqueue host work: ``start(finish)`` is called once the stream has reached
         this point (at once with ``after_prev=False``) and must call ``finish(value,
         error)`` when done; later work on the stream waits until then (held on the
-        host; on the device for a wrapped stream)."""
+        host; on the device for a wrapped stream). ``seq_to[0]`` gets the
+        operation's sequence number before ``start`` can run."""
         gate: _Gate | None = None
         k = 0
         with self._submit_lock:
@@ -928,6 +930,8 @@ class CudaStream(_PolledStream):
                 k = self._host_ops = self._host_ops + 1
                 _check(cu.cuStreamWaitValue64(self.raw, self.saddr, k, _GEQ), "cuStreamWaitValue64")
             ev = self._mark(keep)
+            if seq_to is not None:
+                seq_to[0] = ev._seq
             # The result waits here until the event is retired in order: a fault
             # may fail the event first, and must not be overwritten by it.
             ev._value = result = _HostResult()
@@ -964,21 +968,28 @@ class CudaStream(_PolledStream):
     def cpu_call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> DeviceEvent:
+        op = [0]  # (this operation's sequence number, for host_work)
+
         def start(finish: Callable[[Any, BaseException | None], None]) -> None:
             def run() -> None:
+                host_work.stream, host_work.seq = self, op[0]
                 try:
                     value = fn(*args, **kwargs)
                 except BaseException as e:
+                    host_work.stream = None
                     finish(None, e)
                 else:
+                    host_work.stream = None
                     finish(value, None)
 
             cpu_pool().submit(run)
 
         self._prune()
-        return self._host_op(start, (fn, args, kwargs))
+        return self._host_op(start, (fn, args, kwargs), seq_to=op)
 
     def cpu_range(self, fn: Callable[[int], Any], count: int) -> DeviceEvent:
+        op = [0]  # (this operation's sequence number, for host_work)
+
         def start(finish: Callable[[Any, BaseException | None], None]) -> None:
             if count == 0:
                 finish(None, None)
@@ -989,12 +1000,14 @@ class CudaStream(_PolledStream):
             lock = threading.Lock()
 
             def chunk(lo: int, hi: int) -> None:
+                host_work.stream, host_work.seq = self, op[0]
                 for i in range(lo, hi):
                     try:
                         fn(i)
                     except BaseException as e:
                         with lock:
                             errors.append(e)
+                host_work.stream = None
                 with lock:
                     left[0] -= 1
                     last = left[0] == 0
@@ -1006,7 +1019,7 @@ class CudaStream(_PolledStream):
                 pool.submit(chunk, count * j // k, count * (j + 1) // k)
 
         self._prune()
-        return self._host_op(start, fn)
+        return self._host_op(start, fn, seq_to=op)
 
     def _staged_copy(self, dst: Any, src: Any, nbytes: int, keep: Any) -> DeviceEvent:
         """A copy to or from pageable host memory: a pool thread moves it through
@@ -1035,25 +1048,37 @@ class CudaStream(_PolledStream):
 
     # -- user events, sync, faults -----------------------------------------------------------
 
-    def record(self, ev: DeviceEvent) -> None:
+    def record(self, ev: _UserEvent) -> None:
         with self._submit_lock:
             if ev._handle is not None:
                 self._issue(0, _record, ev._handle, self.raw)
-            ev._stream = self
-            ev._error = None
             if not self.owned:
                 # Another library submits to this stream too: an operation of ours
                 # now stands for its work so far as well.
                 self._before_submit()
                 self._mark(None)
-            ev._seq = self._seq
-            if self._seq == 0 or self._completed() >= self._seq:
-                ev._done = True
-                return
-            if self._marked < self._seq:
-                self._place_marker()
-            ev._done = False
-            self._inflight.append(ev)
+            seq = self._seq
+            point: DeviceEvent | None = None
+            if seq and self._completed() < seq:
+                if self._marked < seq:
+                    self._place_marker()
+                # The in-flight queue gets a point of the stream's own, which
+                # finishes the user event only while it is still recorded here. (The
+                # user event itself went in until 2026-12-04: recorded again, on
+                # another stream or later on this one, it carried its new sequence
+                # number into this queue, and the queue's retirement stopped there:
+                # later awaits on this stream could hang.)
+                point = DeviceEvent(self, seq, None)
+                point._add_waiter(_RecordReached(ev, self, seq))
+            ev._repoint(self, seq, point)
+            if point is not None:
+                self._inflight.append(point)
+        if point is None:
+            ev._finish_at(self, seq, None)
+        elif ev._waiters:
+            # Callback waits (the watcher's) made for an earlier record follow
+            # the event here.
+            watcher.watch(self, seq)
 
     device_clock = True
 
@@ -1093,6 +1118,7 @@ class CudaStream(_PolledStream):
         super()._block(ev)
 
     def synchronize(self) -> None:
+        refuse_wait_from_own_work(self)
         self._settle()  # cuStreamSynchronize sees only what the driver was given
         tail = self.tail()
         if tail is not None:
@@ -1344,6 +1370,21 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
                 )
     packer = struct.Struct("<" + "".join(codes)) if codes is not None and want is not None else None
     return _ArgPlan(tuple(conv), packer, tuple(map(type, args)), native)
+
+
+class _RecordReached:
+    """The waiter on a record's point in a stream's in-flight queue: finishes the
+    user event there unless it has been recorded again since."""
+
+    __slots__ = ("event", "seq", "stream")
+
+    def __init__(self, event: _UserEvent, stream: _StreamImpl, seq: int) -> None:
+        self.event = event
+        self.stream = stream
+        self.seq = seq
+
+    def __call__(self, point: DeviceEvent) -> None:
+        self.event._finish_at(self.stream, self.seq, point._error)
 
 
 class _StageKits:

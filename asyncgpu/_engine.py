@@ -82,6 +82,33 @@ def pool_size() -> int:
     return max(4, os.cpu_count() or 1)
 
 
+class _HostWork(threading.local):
+    """The stream whose host work (a CPU function, range or CPU kernel) this pool
+    thread is running, if any, and that operation's sequence number."""
+
+    stream: Any = None
+    seq = 0
+
+
+host_work = _HostWork()
+
+
+def refuse_wait_from_own_work(stream: Any, seq: int | None = None) -> None:
+    """``RuntimeError`` when the calling thread runs host work of ``stream`` and
+    is about to block for that stream's operation ``seq`` (None: all of it) at or
+    after the running one: the wait would be for the very work doing it (as
+    ``Thread.join`` refuses to join the current thread; CUDA answers
+    ``CUDA_ERROR_NOT_PERMITTED`` to a stream sync inside its host functions).
+    Waiting for earlier work of the stream is fine: it has finished, or (host
+    work right behind host work on CUDA) finishes on its own."""
+    if stream is not None and host_work.stream is stream and (seq is None or seq >= host_work.seq):
+        raise RuntimeError(
+            f"a CPU function running on {stream.label} cannot block for that stream's "
+            "work (it would wait for itself); enqueue what comes next on the stream "
+            "instead"
+        )
+
+
 def cpu_pool() -> ThreadPoolExecutor:
     """The process-wide pool that runs CPU functions, CPU ranges, CPU kernels and
     the CPU device's copies."""
@@ -142,14 +169,7 @@ class _Reactor:
         """A future that this reactor completes once ``ev`` is done (on the loop's
         thread, the only one that calls it)."""
         fut: asyncio.Future[Any] = _Future(loop=self.loop)
-        seq = ev._seq
-        awaits = self.pending.get(stream)
-        if awaits is None:
-            self.pending[stream] = deque(((seq, ev, fut),))
-        elif awaits[-1][0] <= seq:
-            awaits.append((seq, ev, fut))
-        else:  # an earlier operation awaited after a later one: keep the order
-            awaits.insert(bisect.bisect_right(awaits, seq, key=_first), (seq, ev, fut))
+        self._insert(stream, ev._seq, ev, fut)
         if self.task is None:
             self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
         elif self.park is not None:
@@ -160,6 +180,17 @@ class _Reactor:
             self.kicked = True
             _set_future(self.park)
         return fut
+
+    def _insert(
+        self, stream: _PolledStream, seq: int, ev: DeviceEvent, fut: asyncio.Future[Any]
+    ) -> None:
+        awaits = self.pending.get(stream)
+        if awaits is None:
+            self.pending[stream] = deque(((seq, ev, fut),))
+        elif awaits[-1][0] <= seq:
+            awaits.append((seq, ev, fut))
+        else:  # an earlier operation awaited after a later one: keep the order
+            awaits.insert(bisect.bisect_right(awaits, seq, key=_first), (seq, ev, fut))
 
     def _poll_once(self) -> bool:
         """Retire every stream whose counter passed its first await, and queue the
@@ -177,6 +208,14 @@ class _Reactor:
                     continue
                 stream._retire()
                 if not ev._done:
+                    if ev._stream is not stream or ev._seq != seq:
+                        # A user event recorded again since the await began: wait
+                        # for its new point, where it now is.
+                        awaits.popleft()
+                        if not awaits:
+                            del pending[stream]
+                        self._insert(ev._stream, ev._seq, ev, fut)  # type: ignore[arg-type]
+                        moved = True
                     continue
             while True:
                 deferred.append(fut)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["DeviceEvent"]
 
 _get_running_loop = asyncio._get_running_loop
+_log = logging.getLogger("asyncgpu")
 _get_ident = threading.get_ident
 
 
@@ -123,7 +125,16 @@ def _wake_all(ev: DeviceEvent, waiters: list[Any]) -> None:
             _wake(w)
     for w in waiters:
         if type(w) is not _LoopWaiter:
-            w(ev)
+            try:
+                w(ev)
+            except Exception as e:  # one broken callback must not strand the rest
+                _report_callback_error(w, e)
+
+
+def _report_callback_error(fn: Any, e: Exception) -> None:
+    """A done callback raised, on a thread that cannot hand it to anyone: logged
+    on the ``asyncgpu`` logger (printed to stderr when logging is not set up)."""
+    _log.error("exception in the done callback %r", fn, exc_info=e)
 
 
 # The fields live in C where the extension is built: creating the event of an
@@ -170,7 +181,11 @@ class DeviceEvent(_EventBase):
     def add_done_callback(self, fn: Callable[[DeviceEvent], None]) -> None:
         """Call ``fn(event)`` once the operation has finished, from whichever thread
         notices it (a pool thread, the engine's watcher, or this thread if the event
-        is already done). ``fn`` must be quick and must not block."""
+        is already done). ``fn`` must be quick and must not block; an exception
+        it raises is logged on the ``asyncgpu`` logger (the event's other
+        waiters are still woken). ``TypeError`` if ``fn`` is not callable."""
+        if not callable(fn):
+            raise TypeError(f"add_done_callback takes a callable, not {type(fn).__name__}")
         if self._done or self.query() or not self._add_waiter(fn):
             fn(self)
             return
@@ -213,6 +228,9 @@ class DeviceEvent(_EventBase):
             stream = self._stream
             if stream is None:
                 raise AsyncGPUError("this event was never recorded on a stream")
+            from ._engine import refuse_wait_from_own_work
+
+            refuse_wait_from_own_work(stream, self._seq)
             stream._block(self)
 
     def _raise_fault(self) -> None:
@@ -235,6 +253,61 @@ class DeviceEvent(_EventBase):
         state = "done" if self._done else "pending"
         where = self._stream.label if self._stream is not None else "unrecorded"
         return f"<DeviceEvent {where} #{self._seq} {state}>"
+
+
+class _UserEvent(DeviceEvent):
+    """An event made by ``create_event``: it stands for the point of a stream
+    where it was last recorded (``record_event``), and ``_point`` is the
+    operation event that point waits behind (None: nothing was pending there),
+    what a wait enqueued now waits for. ``_device`` is the (api, device id) it
+    was made for: a record on another device's stream is refused."""
+
+    __slots__ = ("_device", "_point")
+
+    _device: tuple[str, int]
+    _point: DeviceEvent | None
+
+    @classmethod
+    def _new(cls, device: tuple[str, int]) -> _UserEvent:
+        ev = cls(None)
+        ev._device = device
+        ev._point = None
+        return ev
+
+    def _repoint(self, stream: _StreamImpl, seq: int, point: DeviceEvent | None) -> None:
+        """Point this event at the end of operation ``seq`` of ``stream`` (a
+        record; ``point`` stands for it there), not done. An earlier record that
+        is reached later finishes nothing (``_finish_at``): as with
+        ``cuEventRecord``, the event stands for its latest record only."""
+        with self._lock or _new_lock(self):
+            self._stream = stream
+            self._seq = seq
+            self._point = point
+            self._value = None
+            self._error = None
+            self._done = False
+
+    def _finish_at(self, stream: _StreamImpl, seq: int, error: BaseException | None) -> None:
+        """The record (``stream``, ``seq``) was reached: finish this event, unless
+        it was recorded again since. The lock makes the test and the finish one
+        step against ``_repoint``; the waiters are woken outside it."""
+        with self._lock or _new_lock(self):
+            if self._done or self._stream is not stream or self._seq != seq:
+                return
+            self._error = error
+            self._done = True
+            self._point = None
+            waiters, self._waiters = self._waiters, None
+        if waiters:
+            _wake_all(self, waiters)
+
+    def _wait_point(self) -> DeviceEvent | None:
+        """What a wait enqueued now waits for (a snapshot: a later record does
+        not move it); None when the latest record has been reached."""
+        point = self._point
+        if self._done or point is None or point._done:
+            return None
+        return point
 
 
 _lock_guard = threading.Lock()

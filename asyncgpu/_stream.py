@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from . import _engine
 from ._accel import c_base, hot_lock, native
 from ._errors import DeviceError, DeviceFaultError
-from ._event import DeviceEvent, _loop_waiter
+from ._event import DeviceEvent, _loop_waiter, _UserEvent
 
 if TYPE_CHECKING:
     import numpy as np
@@ -164,11 +164,12 @@ class _StreamImpl:
         ``await stream`` and ``enqueue_wait_for(stream)`` wait for)."""
         return self.tail()
 
-    def record(self, ev: DeviceEvent) -> None:
+    def record(self, ev: _UserEvent) -> None:
         """Re-point the user event ``ev`` at the current end of this stream."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
+        _engine.refuse_wait_from_own_work(self)
         ev = self.tail()
         if ev is not None:
             ev._wait_blocking()
@@ -593,8 +594,26 @@ class DeviceStream:
         self._impl.synchronize()
 
     def record_event(self, event: DeviceEvent) -> None:
-        """Record ``event`` at the current end of this stream (``cuEventRecord``)."""
+        """Record ``event`` (from ``create_event`` on this device) at the current
+        end of this stream (``cuEventRecord``); it then stands for that point only,
+        whatever it stood for before. Never blocks."""
         self._ctx._check_open()
+        if not isinstance(event, _UserEvent):
+            raise TypeError(
+                "record_event takes an event made by create_event(), not "
+                + (
+                    "the event of an enqueued operation"
+                    if isinstance(event, DeviceEvent)
+                    else type(event).__name__
+                )
+            )
+        state = self._ctx._state
+        if event._device != (state.api, state.device_id):
+            api, device_id = event._device
+            raise ValueError(
+                f"record_event: the event was made for {api}:{device_id}, this stream is "
+                f"on {state.api}:{state.device_id}"
+            )
         self._impl.record(event)
 
     def enqueue_wait_for(self, other: Any) -> DeviceEvent:

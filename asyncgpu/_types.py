@@ -147,7 +147,7 @@ class FuncAttribute(NamedTuple):
     @staticmethod
     def NON_PORTABLE_CLUSTER_SIZE_ALLOWED(value: int) -> FuncAttribute:
         """Allow cluster sizes above 8 where the device supports them."""
-        return FuncAttribute(12, int(value))
+        return FuncAttribute(14, int(value))
 
 
 class LaunchAttributeID(enum.IntEnum):

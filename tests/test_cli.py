@@ -134,6 +134,33 @@ def test_demo_on_a_missing_api_fails_cleanly(tmp_path, capsys, monkeypatch):
     assert "nonsense" in _one_error_line(capsys.readouterr().err)
 
 
+def test_info_with_a_bad_device_api_variable_fails_cleanly(capsys, monkeypatch):
+    monkeypatch.setenv("ASYNCGPU_API", "bogus")
+    assert main(["info"]) == 2
+    assert "ASYNCGPU_API must be cpu or cuda" in _one_error_line(capsys.readouterr().err)
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """``asyncgpu info | head -1``, with the reader gone before the first write."""
+    env = {**os.environ, "ASYNCGPU_API": "cpu", "PYTHONPATH": str(REPO)}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "asyncgpu", "info"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+
+
 # -- trace -----------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _kernels import TIMEOUT_S, poison, random_array
 
-from asyncgpu import DeviceContext
+from asyncgpu import DeviceContext, from_dlpack
 
 N = 1000
 
@@ -163,18 +163,39 @@ async def test_every_copy_is_awaitable(ctx: DeviceContext, rng: np.random.Genera
 # -- bad copies fail at the call ------------------------------------------------------------
 
 
-def test_size_mismatch_is_a_value_error(ctx: DeviceContext) -> None:
+def test_a_source_smaller_than_the_destination_is_a_value_error(ctx: DeviceContext) -> None:
     a = ctx.enqueue_create_buffer(np.float32, 10)
     b = ctx.enqueue_create_buffer(np.float32, 11)
     h = ctx.enqueue_create_host_buffer(np.float32, 9)
-    with pytest.raises(ValueError):
-        ctx.enqueue_copy(a, b)
-    with pytest.raises(ValueError):
-        ctx.enqueue_copy(h, a)
+    with pytest.raises(ValueError, match="source buffer has 10 elements"):
+        ctx.enqueue_copy(b, a)
+    with pytest.raises(ValueError, match="source buffer has 9 elements"):
+        ctx.enqueue_copy(a, h)
     with pytest.raises(ValueError):
         ctx.enqueue_copy(a, np.ones(9, np.float32))  # the source array is too small
     with pytest.raises(ValueError):
         ctx.enqueue_copy(np.ones(9, np.float32), a)  # the destination array is too small
+
+
+def test_a_buffer_copy_moves_the_destinations_length(ctx: DeviceContext) -> None:
+    """The reference's rule: "the amount of data transferred is determined by the
+    size of the destination buffer"; the rest of a longer source stays put."""
+    src = ctx.enqueue_create_buffer(np.float32, 8)
+    ctx.enqueue_copy(src, np.arange(8, dtype=np.float32))
+    dst = ctx.enqueue_create_host_buffer(np.float32, 5)
+    ctx.enqueue_copy(dst, src).synchronize()
+    np.testing.assert_array_equal(dst.as_numpy(), np.arange(5, dtype=np.float32))
+
+
+def test_overlapping_source_and_destination_are_refused(ctx: DeviceContext) -> None:
+    """cuMemcpy has no overlap rule, and the CPU device copies large ranges in
+    parallel pieces: an overlapping copy raises on every device."""
+    parent = ctx.enqueue_create_buffer(np.float32, 16)
+    lo = parent.create_sub_buffer(np.float32, 0, 8)
+    hi = parent.create_sub_buffer(np.float32, 4, 8)
+    with pytest.raises(ValueError, match="overlap"):
+        ctx.enqueue_copy(hi, lo)
+    ctx.enqueue_copy(parent.create_sub_buffer(np.float32, 8, 8), lo).synchronize()  # disjoint
 
 
 def test_dtype_mismatch_is_a_type_error(ctx: DeviceContext) -> None:
@@ -205,6 +226,29 @@ def test_a_read_only_destination_array_is_a_value_error(ctx: DeviceContext) -> N
     out.flags.writeable = False
     with pytest.raises(ValueError):
         ctx.enqueue_copy(out, buf)
+
+
+@pytest.mark.parametrize("api", ["cpu"])  # (host memory is a CPU device's buffer)
+def test_a_buffer_of_read_only_memory_cannot_be_written(ctx: DeviceContext) -> None:
+    """A wrapped read-only array (DLPack's read-only flag) used to be written, or
+    to fail only at the await."""
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    buf = from_dlpack(ro, ctx)
+    with pytest.raises(ValueError, match="read-only"):
+        ctx.enqueue_copy(buf, np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="read-only"):
+        ctx.enqueue_copy_no_cross_stream_sync(buf, ctx.enqueue_create_buffer(np.float32, 4))
+    with pytest.raises(ValueError, match="read-only"):
+        buf.enqueue_copy_from(np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="read-only"):
+        ctx.enqueue_memset(buf, 3.0)
+    with pytest.raises(ValueError, match="read-only"):
+        buf.enqueue_fill(np.float32(3))
+    out = np.full(4, np.nan, np.float32)
+    ctx.enqueue_copy(out, buf).synchronize()  # reading it is fine
+    np.testing.assert_array_equal(out, np.zeros(4, np.float32))
+    np.testing.assert_array_equal(ro, np.zeros(4, np.float32))
 
 
 @pytest.mark.parametrize("bad", [[1.0, 2.0], b"abcd", "x", 3.5, None])
@@ -286,6 +330,20 @@ def test_memset_values_that_do_not_fit_are_a_value_error(
     buf = ctx.enqueue_create_buffer(dtype, 4)
     with pytest.raises(ValueError):
         ctx.enqueue_memset(buf, value)
+
+
+def test_memset_of_a_bool_buffer_takes_0_and_1_only(ctx: DeviceContext) -> None:
+    """``bool(value)`` used to make any nonzero value True (2, 0.5, even nan)."""
+    buf = ctx.enqueue_create_buffer(np.bool_, 9)
+    for value in (2, 0.5, float("nan"), -1, 1j):
+        with pytest.raises(ValueError):
+            ctx.enqueue_memset(buf, value)
+    for value in (0, 1, True, False, np.True_):
+        ctx.enqueue_copy(buf, np.full(9, not value, np.bool_))
+        ctx.enqueue_memset(buf, value)
+        out = np.full(9, not value, np.bool_)
+        ctx.enqueue_copy(out, buf).synchronize()
+        np.testing.assert_array_equal(out, np.full(9, bool(value)), err_msg=repr(value))
 
 
 def test_memset_of_a_sub_buffer_touches_only_it(
