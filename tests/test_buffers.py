@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from _kernels import poison, random_array
 
-from asyncgpu import DeviceBuffer, DeviceContext, HostBuffer
+from asyncgpu import ContextClosedError, DeviceBuffer, DeviceContext, HostBuffer
 
 DTYPES = [np.int8, np.uint16, np.int32, np.int64, np.float32, np.float64]
 
@@ -72,6 +72,16 @@ def test_bad_dtype_is_a_type_error(ctx: DeviceContext, bad: object) -> None:
         ctx.enqueue_create_buffer(bad, 4)
     with pytest.raises(TypeError):
         ctx.enqueue_create_host_buffer(bad, 4)
+
+
+def test_a_subarray_dtype_is_a_type_error(ctx: DeviceContext) -> None:
+    """``np.dtype(("i2", (2,)))`` has an itemsize of 4 but elements of 2 bytes: a
+    buffer of it made memsets and copies fail at the await, or write half."""
+    sub = np.dtype(("i2", (2,)))
+    with pytest.raises(TypeError, match="subarray"):
+        ctx.enqueue_create_buffer(sub, 4)
+    with pytest.raises(TypeError, match="subarray"):
+        ctx.enqueue_create_host_buffer(sub, 4)
 
 
 def test_negative_size_is_a_value_error(ctx: DeviceContext) -> None:
@@ -291,6 +301,22 @@ def test_take_ptr_hands_over_the_memory(ctx: DeviceContext, rng: np.random.Gener
     np.testing.assert_array_equal(read(ctx, other), data)
 
 
+@pytest.mark.asyncio
+async def test_mapping_a_buffer_whose_pointer_was_taken_is_a_value_error(
+    ctx: DeviceContext,
+) -> None:
+    buf = ctx.enqueue_create_buffer(np.float32, 4)
+    mapping = buf.map_to_host()  # made before the memory was given away
+    buf.take_ptr()
+    with pytest.raises(ValueError, match="take_ptr"), mapping:
+        pass
+    with pytest.raises(ValueError, match="take_ptr"):
+        async with mapping:
+            pass
+    with pytest.raises(ValueError, match="take_ptr"):
+        buf.map_to_host()
+
+
 def test_take_ptr_of_a_sub_buffer_is_refused(ctx: DeviceContext) -> None:
     buf = ctx.enqueue_create_buffer(np.int32, 32)
     with pytest.raises(ValueError):
@@ -322,6 +348,23 @@ def test_reassign_ownership_to_another_context_is_refused(ctx: DeviceContext, ap
     buf = ctx.enqueue_create_buffer(np.float32, 4)
     with DeviceContext(api=api) as other, pytest.raises(ValueError):
         buf.reassign_ownership_to(other)
+
+
+def test_reassign_ownership_needs_an_open_context(ctx: DeviceContext) -> None:
+    """A stream, or any other object, used to be taken and break the buffer at its
+    next use; a closed reference was taken too."""
+    buf = ctx.enqueue_create_buffer(np.float32, 4)
+    with pytest.raises(TypeError, match=r"stream\.context"):
+        buf.reassign_ownership_to(ctx.select_stream(1).stream())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        buf.reassign_ownership_to("stream 1")  # type: ignore[arg-type]
+    ref = DeviceContext(copy=ctx.select_stream(1))
+    ref.close()
+    with pytest.raises(ContextClosedError):
+        buf.reassign_ownership_to(ref)
+    assert buf.context() == ctx  # still owned where it was, and usable
+    buf.enqueue_fill(np.float32(1.5))
+    np.testing.assert_array_equal(read(ctx, buf), np.full(4, 1.5, np.float32))
 
 
 def test_buffers_keep_working_after_the_python_array_they_came_from_is_gone(

@@ -65,6 +65,22 @@ def test_cuda_where_there_is_none_raises_no_device_error() -> None:
     assert DeviceContext.number_of_devices(api="cuda") == 0
 
 
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        ({"api": 5}, "api"),
+        ({"api": "cpu", "num_streams": 2.5}, "num_streams"),
+        ({"api": "cpu", "num_streams": "4"}, "num_streams"),
+        ({"api": "cpu", "num_streams": True}, "num_streams"),
+        ({"copy": "x"}, "copy"),
+    ],
+    ids=["api", "num_streams=2.5", "num_streams='4'", "num_streams=True", "copy"],
+)
+def test_arguments_of_the_wrong_type_are_a_type_error_naming_them(kwargs: dict, names: str) -> None:
+    with pytest.raises(TypeError, match=names):
+        DeviceContext(**kwargs)
+
+
 def test_cpu_device_has_only_id_zero() -> None:
     with pytest.raises(IndexError):
         DeviceContext(1, api="cpu")
@@ -235,6 +251,63 @@ def test_a_view_made_before_close_is_closed_too(api: str) -> None:
         view.enqueue_cpu_function(print)
 
 
+_VIEWS = {
+    "with select_stream": lambda c: c.select_stream(1),
+    "select_stream": lambda c: c.select_stream(2),
+    "select_stream(0)": lambda c: c.select_stream(0),
+    "buffer.context": lambda c: c.enqueue_create_buffer(np.int32, 4).context(),
+    "stream().context": lambda c: c.stream().context(),
+}
+
+
+@pytest.mark.parametrize("view", list(_VIEWS), ids=list(_VIEWS))
+def test_closing_a_view_leaves_the_context_open(ctx: DeviceContext, view: str) -> None:
+    """A view (of a handle still alive) shares the handle's reference: closing it
+    used to close the context under the handle."""
+    v = _VIEWS[view](ctx)
+    if view.startswith("with"):
+        with v as entered:
+            assert entered.enqueue_cpu_function(lambda: 1).synchronize() == 1
+    else:
+        v.close()
+    v.close()  # twice is fine too
+    assert ctx.enqueue_cpu_function(lambda: "open").synchronize() == "open"
+    ctx.close()  # the context itself still closes its views
+    with pytest.raises(ContextClosedError):
+        v.enqueue_cpu_function(print)
+    with pytest.raises(ContextClosedError):
+        ctx.enqueue_cpu_function(print)
+
+
+def test_closing_a_view_waits_for_its_own_streams_work(ctx: DeviceContext, gate) -> None:
+    view = ctx.select_stream(1)
+    mine, other = gate(), gate()
+    held = view.enqueue_cpu_function(mine)
+    elsewhere = ctx.select_stream(2).enqueue_cpu_function(other)
+    opener = threading.Thread(target=lambda: mine.entered.wait(TIMEOUT_S) and mine.open())
+    opener.start()
+    view.close()
+    opener.join()
+    assert held.query()  # the view's stream, waited for ...
+    assert not elsewhere.query()  # ... and only that one
+    other.open()
+    assert elsewhere.synchronize() == "opened"
+    assert view.enqueue_cpu_function(lambda: "open").synchronize() == "open"
+
+
+@pytest.mark.asyncio
+async def test_leaving_async_with_on_a_view_awaits_its_stream_and_leaves_the_context_open(
+    ctx: DeviceContext, gate
+) -> None:
+    g = gate()
+    async with ctx.select_stream(1) as view:
+        held = view.enqueue_cpu_function(g)
+        asyncio.get_running_loop().call_soon(g.open)  # only a non-blocking exit gets there
+    assert held.query()
+    assert await asyncio.wait_for(ctx.enqueue_cpu_function(lambda: "open"), TIMEOUT_S) == "open"
+    assert await asyncio.wait_for(view.enqueue_cpu_function(lambda: "v"), TIMEOUT_S) == "v"
+
+
 @pytest.mark.asyncio
 async def test_awaiting_a_closed_context_raises(api: str) -> None:
     ctx = DeviceContext(api=api)
@@ -329,6 +402,57 @@ def test_memory_info(ctx: DeviceContext) -> None:
 def test_is_compatible_and_healthcheck(ctx: DeviceContext) -> None:
     assert ctx.is_compatible() is True
     assert ctx.run_healthcheck() is None
+
+
+@pytest.mark.parametrize("priority", ["high", None, 0.0])
+def test_create_stream_priority_of_the_wrong_type_is_a_type_error(
+    ctx: DeviceContext, priority: object
+) -> None:
+    with pytest.raises(TypeError, match="priority"):
+        ctx.create_stream(priority=priority)  # type: ignore[arg-type]
+
+
+def test_peer_access_needs_a_context(ctx: DeviceContext) -> None:
+    with pytest.raises(TypeError, match="can_access"):
+        ctx.can_access("x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="enable_peer_access"):
+        ctx.enable_peer_access("x")  # type: ignore[arg-type]
+
+
+def test_launch_attributes_that_are_not_launch_attributes_are_a_type_error_naming_them(
+    ctx: DeviceContext,
+) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    for attributes in ([[1]], [1], ["cooperative"]):
+        with pytest.raises(TypeError, match="LaunchAttribute"):
+            ctx.enqueue_function(
+                ADD_ONE, buf, np.int32(4), grid_dim=1, block_dim=4, attributes=attributes
+            )
+
+
+@pytest.mark.parametrize("api", ["cpu"])  # (a CUDA kernel needs its source)
+def test_bound_methods_of_one_object_launch_their_own_kernels(ctx: DeviceContext) -> None:
+    """The compiled-function cache was keyed by ``id(f)``: ``obj.method`` is a new
+    object at each access, and a freed one's id is soon another's, so a launch of
+    one method could run the kernel compiled for the other."""
+
+    class Kernels:
+        def one(self, b, x):
+            x[...] = 1
+
+        def two(self, b, x):
+            x[...] = 2
+
+    k = Kernels()
+    host = ctx.enqueue_create_host_buffer(np.int32, 4)
+    seen = []
+    for _ in range(50):
+        ctx.enqueue_function(k.one, host, grid_dim=1, block_dim=1)
+        one = ctx.enqueue_cpu_function(lambda: int(host[0]))
+        ctx.enqueue_function(k.two, host, grid_dim=1, block_dim=1)
+        two = ctx.enqueue_cpu_function(lambda: int(host[0]))
+        seen.append((one.synchronize(), two.synchronize()))
+    assert seen == [(1, 2)] * 50
 
 
 def test_a_device_can_access_itself(ctx: DeviceContext) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from _kernels import TIMEOUT_S, poison, random_array
 
-from asyncgpu import DeviceContext, DeviceEvent
+from asyncgpu import ContextClosedError, DeviceContext, DeviceEvent
 
 # -- enqueue_cpu_function ------------------------------------------------------------------
 
@@ -103,6 +104,72 @@ def test_device_work_after_a_cpu_function_waits_for_it(
 def test_cpu_function_needs_a_callable(ctx: DeviceContext) -> None:
     with pytest.raises(TypeError):
         ctx.enqueue_cpu_function(42)  # type: ignore[arg-type]
+
+
+def test_an_async_function_is_a_type_error(ctx: DeviceContext) -> None:
+    """CPU work runs on pool threads, with no event loop: an ``async def`` function
+    only made a coroutine that nobody ran (the event's value)."""
+
+    async def work(i: int = 0) -> int:
+        return i
+
+    class AsyncCall:
+        async def __call__(self, i: int = 0) -> int:
+            return i
+
+    for fn in (work, AsyncCall()):
+        with pytest.raises(TypeError, match="async"):
+            ctx.enqueue_cpu_function(fn)
+        with pytest.raises(TypeError, match="async"):
+            ctx.enqueue_cpu_range(fn, 4)
+    assert ctx.enqueue_cpu_function(lambda: "next").synchronize() == "next"
+
+
+_OWN_WAITS = {
+    "ctx.synchronize": lambda c: c.synchronize(),
+    "stream.synchronize": lambda c: c.stream().synchronize(),
+    "event.synchronize": lambda c: c.enqueue_cpu_function(int).synchronize(),
+    "ctx.close": lambda c: c.close(),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("wait", list(_OWN_WAITS), ids=list(_OWN_WAITS))
+@pytest.mark.parametrize("form", ["function", "range"])
+async def test_a_cpu_function_that_waits_for_its_own_stream_gets_a_runtime_error(
+    api: str, wait: str, form: str
+) -> None:
+    """The wait would be for the very function doing it: it hung for ever (as did
+    ``close`` of the last reference, which waits for all work)."""
+    ctx = DeviceContext(api=api)
+    call = _OWN_WAITS[wait]
+    if form == "function":
+        ev = ctx.enqueue_cpu_function(call, ctx)
+    else:
+        ev = ctx.enqueue_cpu_range(lambda i: call(ctx), 1)
+    awaited = asyncio.ensure_future(ev)
+    done, _ = await asyncio.wait({awaited}, timeout=TIMEOUT_S)
+    if not done:  # (the context is left open: closing it would hang too)
+        pytest.fail(f"a CPU function's {wait} waited for itself")
+    with pytest.raises(RuntimeError, match="wait for itself"):
+        awaited.result()
+    with pytest.raises(RuntimeError, match="wait for itself"):
+        ev.synchronize()
+    # The context is as it was: open, usable, and it closes normally.
+    assert await asyncio.wait_for(ctx.enqueue_cpu_function(lambda: "after"), TIMEOUT_S) == "after"
+    ctx.close()
+    with pytest.raises(ContextClosedError):
+        ctx.enqueue_cpu_function(print)
+
+
+def test_a_cpu_function_may_wait_for_earlier_work_of_its_own_stream(ctx: DeviceContext) -> None:
+    """Only a wait for itself is refused: the work before it on the stream has
+    finished when it runs, though the stream may not have noticed yet."""
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    filled = buf.enqueue_fill(7)
+    first = ctx.enqueue_cpu_function(lambda: 41)
+    second = ctx.enqueue_cpu_function(lambda: (filled.synchronize(), first.synchronize() + 1))
+    assert second.synchronize() == (None, 42)
 
 
 def test_cpu_functions_on_different_streams_overlap(ctx: DeviceContext) -> None:

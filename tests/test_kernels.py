@@ -7,10 +7,12 @@ import pytest
 from _kernels import ADD_ONE, AXPY, FILL_INDEX, SCALE, blocks_for, poison, random_array
 
 from asyncgpu import (
+    ContextClosedError,
     DeviceContext,
     DeviceEvent,
     DeviceFunction,
     Dim,
+    FuncAttribute,
     Kernel,
     LaunchAttribute,
     UnsupportedError,
@@ -212,6 +214,60 @@ def test_python_scalars_as_kernel_arguments_are_a_type_error(
     buf = ctx.enqueue_create_buffer(np.int32, 4)
     with pytest.raises(TypeError, match=r"(?i)numpy"):  # and says what to pass instead
         ctx.enqueue_function(ADD_ONE, buf, arg, grid_dim=1, block_dim=4)
+
+
+def test_a_buffer_that_cannot_be_used_is_refused_at_the_launch(
+    ctx: DeviceContext, api: str
+) -> None:
+    """The CPU device used to hand a kernel a taken buffer's memory, or a closed
+    context's, as a NumPy view (and failed, if at all, at the await). Both launch
+    paths are checked: the general one (a Kernel) and, where the extension is
+    built, the C fast path (a DeviceFunction with a geometry seen before)."""
+    f = ctx.compile_function(ADD_ONE)
+    ok = ctx.enqueue_create_buffer(np.int32, 4)
+    ok.enqueue_fill(0)
+    ctx.enqueue_function(f, ok, np.int32(4), grid_dim=1, block_dim=4)  # caches the geometry
+    taken = ctx.enqueue_create_buffer(np.int32, 4)
+    taken.take_ptr()
+    with DeviceContext(api=api) as other:
+        foreign = other.enqueue_create_buffer(np.int32, 4)
+    for k in (ADD_ONE, f):
+        with pytest.raises(ValueError, match="take_ptr"):
+            ctx.enqueue_function(k, taken, np.int32(4), grid_dim=1, block_dim=4)
+        with pytest.raises(ContextClosedError):
+            ctx.enqueue_function(k, foreign, np.int32(4), grid_dim=1, block_dim=4)
+    np.testing.assert_array_equal(read(ctx, ok), np.ones(4, np.int32))
+
+
+@pytest.mark.parametrize("api", ["cpu"])  # (CUDA reads the count from the PTX)
+@pytest.mark.parametrize("args", [1, 3], ids=["too few", "too many"])
+def test_a_cpu_kernel_with_the_wrong_number_of_arguments_fails_at_the_launch(
+    ctx: DeviceContext, args: int
+) -> None:
+    """It used to fail in every block, at the await."""
+    f = ctx.compile_function(ADD_ONE)
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    buf.enqueue_fill(0)
+    ctx.enqueue_function(f, buf, np.int32(4), grid_dim=1, block_dim=4)  # caches the geometry
+    launch = (buf, np.int32(4), np.int32(5))[:args]
+    for k in (ADD_ONE, f):
+        with pytest.raises(TypeError, match="add_one"):
+            ctx.enqueue_function(k, *launch, grid_dim=1, block_dim=4)
+    np.testing.assert_array_equal(read(ctx, buf), np.ones(4, np.int32))  # nothing else ran
+
+
+def test_func_attribute_numbers_are_cudas() -> None:
+    """``FuncAttribute`` is numbered as CUDA's ``CUfunction_attribute``:
+    NON_PORTABLE_CLUSTER_SIZE_ALLOWED was 12 (CUDA's REQUIRED_CLUSTER_HEIGHT)."""
+    drv = pytest.importorskip("cuda.bindings.driver")
+    assert FuncAttribute.NON_PORTABLE_CLUSTER_SIZE_ALLOWED(1) == (14, 1)
+    names = [
+        n for n, v in vars(FuncAttribute).items() if isinstance(v, staticmethod) and n.isupper()
+    ]
+    assert "MAX_DYNAMIC_SHARED_SIZE_BYTES" in names  # (the constructors were found)
+    for name in names:
+        cuda_number = int(getattr(drv.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}"))
+        assert getattr(FuncAttribute, name)(1).attribute == cuda_number, name
 
 
 @pytest.mark.parametrize("api", ["cpu"])

@@ -345,3 +345,178 @@ def test_add_done_callback(ctx: DeviceContext, gate) -> None:
     late: list[DeviceEvent] = []
     ev.add_done_callback(late.append)
     assert late == [ev]
+
+
+def test_add_done_callback_needs_a_callable(ctx: DeviceContext, gate) -> None:
+    """Taken, a non-callable raised later, on whichever thread finished the event
+    (and, on the CPU device, stopped the stream's later work from starting)."""
+    g = gate()
+    pending = ctx.enqueue_cpu_function(g)
+    with pytest.raises(TypeError, match="callable"):
+        pending.add_done_callback(5)  # type: ignore[arg-type]
+    g.open()
+    assert pending.synchronize() == "opened"
+    with pytest.raises(TypeError, match="callable"):
+        pending.add_done_callback(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_done_callback_that_raises_is_logged_and_stops_nothing(
+    api: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The error used to escape into whatever finished the event: the event's
+    later callbacks never ran, and on the CPU device (where the stream's next
+    operation starts from a callback) neither did the stream's later work."""
+    import logging
+    import threading
+
+    from _kernels import Gate
+
+    ctx = DeviceContext(api=api)  # (left open if the stream stalls: closing would hang)
+    g = Gate()
+    ev = ctx.enqueue_cpu_function(g)
+
+    def broken(e: DeviceEvent) -> None:
+        raise ArithmeticError("a broken callback")
+
+    called = threading.Event()
+    ev.add_done_callback(broken)
+    ev.add_done_callback(lambda e: called.set())  # the event's other callbacks still run
+    after = asyncio.ensure_future(ctx.enqueue_cpu_function(lambda: "after"))  # and the stream
+    with caplog.at_level(logging.ERROR, logger="asyncgpu"):
+        g.open()
+        done, _ = await asyncio.wait({after}, timeout=TIMEOUT_S)
+        if not done:
+            pytest.fail("the stream's later work never ran")
+        assert after.result() == "after"
+        assert called.wait(TIMEOUT_S)
+    assert ev.synchronize() == "opened"
+    logged = [r for r in caplog.records if r.name == "asyncgpu" and r.exc_info]
+    assert [type(r.exc_info[1]) for r in logged] == [ArithmeticError]
+    assert "a broken callback" in caplog.text
+    ctx.close()
+
+
+# -- recording an event again ---------------------------------------------------------------
+# An event stands for its latest record only (cuEventRecord): a record reached later
+# finishes nothing once the event has been recorded again.
+
+
+def test_an_event_recorded_again_stands_for_its_latest_record_only(
+    ctx: DeviceContext, gate
+) -> None:
+    s = ctx.stream()
+    ev = ctx.create_event()
+    g1, g2 = gate(), gate()
+    ctx.enqueue_cpu_function(g1)
+    s.record_event(ev)  # the first point
+    passed = ctx.enqueue_cpu_function(lambda: "passed")  # right after the first point
+    ctx.enqueue_cpu_function(g2)
+    s.record_event(ev)  # the second point
+    g1.open()
+    assert passed.synchronize() == "passed"  # the first point has been passed
+    assert not ev.query()
+    g2.open()
+    ev.synchronize()
+    assert ev.query()
+
+
+@pytest.mark.asyncio
+async def test_an_event_recorded_again_on_another_stream_does_not_hold_up_the_first(
+    ctx: DeviceContext, gate
+) -> None:
+    """Until 2026-12-04 the CUDA device queued the user event itself on the stream
+    of its first record; recorded again, it carried the other stream's sequence
+    number there, and that stream's later work was never seen to finish."""
+    s_a, s_b = ctx.select_stream(1), ctx.select_stream(2)
+    ev = ctx.create_event()
+    gb = gate()
+    s_b.enqueue_cpu_function(gb)
+    s_b.stream().record_event(ev)  # still ahead on B
+    later = s_b.enqueue_cpu_function(lambda: "later on B")
+    buf = s_a.enqueue_create_buffer(np.int32, 4)
+    for _ in range(40):  # A's point comes far past all of B's work in A's numbering
+        s_a.enqueue_memset(buf, 0)
+    ga = gate()
+    s_a.enqueue_cpu_function(ga)
+    s_a.stream().record_event(ev)  # moved to A, behind its gate
+    gb.open()
+    assert await asyncio.wait_for(later, TIMEOUT_S) == "later on B"
+    await asyncio.wait_for(s_b, TIMEOUT_S)
+    assert not ev.query()  # B's point passed; A's has not
+    ga.open()
+    await asyncio.wait_for(ev, TIMEOUT_S)
+    assert ev.query()
+
+
+@pytest.mark.asyncio
+async def test_a_wait_for_an_event_is_a_snapshot_of_its_latest_record(
+    ctx: DeviceContext, gate
+) -> None:
+    """``enqueue_wait_for(event)`` waits for the point the event stands for when the
+    wait is enqueued (cuStreamWaitEvent): a later record, reached at once or placed
+    behind the waiting stream itself, neither releases the wait nor moves it (moved,
+    the last one would be a wait for itself)."""
+    a, b, c = ctx.select_stream(1), ctx.select_stream(2), ctx.select_stream(3)
+    ev = ctx.create_event()
+    g = gate()
+    a.enqueue_cpu_function(g)
+    a.stream().record_event(ev)  # the point B waits for, behind the gate
+    waited = b.enqueue_wait_for(ev)
+    after = b.enqueue_cpu_function(lambda: "after the wait")
+    c.stream().record_event(ev)  # C is idle: this record is reached at once
+    assert ev.query()
+    assert not waited.query() and not after.query()
+    a.enqueue_wait_for(b)
+    a.stream().record_event(ev)  # behind A's wait for B, which waits for the old point
+    g.open()
+    assert await asyncio.wait_for(after, TIMEOUT_S) == "after the wait"
+    await asyncio.wait_for(ev, TIMEOUT_S)
+    assert waited.query()
+
+
+@pytest.mark.asyncio
+async def test_an_await_of_an_event_recorded_again_on_another_stream_ends_at_its_new_point(
+    ctx: DeviceContext, gate
+) -> None:
+    s_a, s_b = ctx.select_stream(1), ctx.select_stream(2)
+    ev = ctx.create_event()
+    ga, gb = gate(), gate()
+    s_a.enqueue_cpu_function(ga)
+    s_a.stream().record_event(ev)
+    passed = s_a.enqueue_cpu_function(lambda: "passed")  # right after the first point
+    awaiting = asyncio.Event()
+
+    async def wait() -> None:
+        awaiting.set()
+        await ev
+
+    task = asyncio.create_task(wait())
+    await awaiting.wait()  # the task is now suspended on the event
+    s_b.enqueue_cpu_function(gb)
+    s_b.stream().record_event(ev)  # moved to B, behind its gate
+    ga.open()
+    assert await asyncio.wait_for(passed, TIMEOUT_S) == "passed"  # the first point passed
+    assert not ev.query()
+    assert not task.done()
+    gb.open()
+    await asyncio.wait_for(task, TIMEOUT_S)
+    assert ev.query()
+
+
+def test_record_event_takes_only_events_made_by_create_event(ctx: DeviceContext, gate) -> None:
+    """An operation's event is no user event: recorded, it used to lose its value
+    (or, as the stream's last operation, wait for itself for ever)."""
+    done = ctx.enqueue_cpu_function(lambda: 42)
+    assert done.synchronize() == 42
+    g = gate()
+    held = ctx.enqueue_cpu_function(g)
+    tail = ctx.enqueue_cpu_function(lambda: "tail")
+    for op in (done, held, tail):
+        with pytest.raises(TypeError, match="create_event"):
+            ctx.stream().record_event(op)
+    with pytest.raises(TypeError):
+        ctx.stream().record_event(5)  # type: ignore[arg-type]
+    g.open()
+    assert tail.synchronize() == "tail"
+    assert done.synchronize() == 42 and held.synchronize() == "opened"
