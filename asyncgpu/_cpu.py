@@ -307,25 +307,28 @@ def _range_work(fn: Callable[[int], Any]) -> Callable[[int, int], None]:
     return work
 
 
-_arity: dict[tuple[Any, int], str | None] = {}  # (body, argument count): the error, if any
+_arity: dict[tuple[Any, int], str | None] = {}  # (function, argument count): the error, if any
 
 
 def _check_arity(body: Any, name: str, nargs: int) -> None:
     """``TypeError`` at the launch, not once per block at the await, when the
     kernel body cannot take ``nargs`` arguments after its thread block (checked
-    once per body and count)."""
+    once per function and count; a bound method is keyed by its function, so
+    the objects it is bound to are not kept alive)."""
+    func = getattr(body, "__func__", None)
+    target, bound = (func, 1) if func is not None else (body, 0)
     try:
-        err = _arity[(body, nargs)]
+        err = _arity[(target, nargs)]
     except (KeyError, TypeError):
         try:
-            inspect.signature(body).bind(None, *range(nargs))
+            inspect.signature(target).bind(*range(bound + 1 + nargs))
             err = None
         except TypeError as e:
             err = f"kernel {name!r} takes other arguments than the {nargs} given: {e}"
         except ValueError:  # no signature to read (a builtin): the launch tells
             err = None
         with contextlib.suppress(TypeError):  # (an unhashable body: not kept)
-            _arity[(body, nargs)] = err
+            _arity[(target, nargs)] = err
     if err is not None:
         raise TypeError(err)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 
 import numpy as np
 import pytest
-from _kernels import TIMEOUT_S, poison, random_array
+from _kernels import TIMEOUT_S, Gate, poison, random_array
 
 from asyncgpu import (
     AsyncGPUError,
@@ -347,17 +349,21 @@ def test_add_done_callback(ctx: DeviceContext, gate) -> None:
     assert late == [ev]
 
 
-def test_add_done_callback_needs_a_callable(ctx: DeviceContext, gate) -> None:
-    """Taken, a non-callable raised later, on whichever thread finished the event
-    (and, on the CPU device, stopped the stream's later work from starting)."""
-    g = gate()
+def test_add_done_callback_needs_a_callable(api: str) -> None:
+    """Taken, a non-callable raised later, on whichever thread finished the event,
+    and the event's later waiters were never woken."""
+    ctx = DeviceContext(api=api)  # (left open if it is taken: closing would hang)
+    g = Gate()
     pending = ctx.enqueue_cpu_function(g)
-    with pytest.raises(TypeError, match="callable"):
-        pending.add_done_callback(5)  # type: ignore[arg-type]
-    g.open()
+    try:
+        with pytest.raises(TypeError, match="callable"):
+            pending.add_done_callback(5)  # type: ignore[arg-type]
+    finally:
+        g.open()
     assert pending.synchronize() == "opened"
     with pytest.raises(TypeError, match="callable"):
         pending.add_done_callback(None)  # type: ignore[arg-type]
+    ctx.close()
 
 
 @pytest.mark.asyncio
@@ -367,11 +373,6 @@ async def test_a_done_callback_that_raises_is_logged_and_stops_nothing(
     """The error used to escape into whatever finished the event: the event's
     later callbacks never ran, and on the CPU device (where the stream's next
     operation starts from a callback) neither did the stream's later work."""
-    import logging
-    import threading
-
-    from _kernels import Gate
-
     ctx = DeviceContext(api=api)  # (left open if the stream stalls: closing would hang)
     g = Gate()
     ev = ctx.enqueue_cpu_function(g)
