@@ -278,14 +278,13 @@ class CpuStream(_StreamImpl):
 
 def _run(ev: DeviceEvent, fn: Callable[[], Any]) -> None:
     host_work.stream, host_work.seq = ev._stream, ev._seq
+    value, error = None, None
     try:
         value = fn()
     except BaseException as e:
-        host_work.stream = None
-        ev._finish(None, e)
-    else:
-        host_work.stream = None
-        ev._finish(value, None)
+        error = e
+    host_work.stream = None
+    ev._finish(value, error)
 
 
 def _finish_now(ev: DeviceEvent) -> None:

@@ -973,14 +973,13 @@ class CudaStream(_PolledStream):
         def start(finish: Callable[[Any, BaseException | None], None]) -> None:
             def run() -> None:
                 host_work.stream, host_work.seq = self, op[0]
+                value, error = None, None
                 try:
                     value = fn(*args, **kwargs)
                 except BaseException as e:
-                    host_work.stream = None
-                    finish(None, e)
-                else:
-                    host_work.stream = None
-                    finish(value, None)
+                    error = e
+                host_work.stream = None
+                finish(value, error)
 
             cpu_pool().submit(run)
 
