@@ -20,6 +20,7 @@ import numpy as np
 
 from ._accel import c_base, native
 from ._errors import ContextClosedError
+from ._types import check_int
 
 if TYPE_CHECKING:
     from ._context import DeviceContext
@@ -46,9 +47,7 @@ def as_dtype(dtype: Any) -> np.dtype[Any]:
 
 
 def check_size(size: Any) -> int:
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
-        raise TypeError(f"size must be an integer number of elements, not {size!r}")
-    size = int(size)
+    size = check_int(size, "size (a number of elements)")
     if size < 0:
         raise ValueError(f"size must not be negative, got {size}")
     return size
@@ -197,7 +196,9 @@ class _BufferBase(_BufferFieldsBase):
 
     def take_ptr(self) -> int:
         """Give up ownership: return the address; the caller must free it. The
-        buffer can no longer be used."""
+        buffer can no longer be used. Its sub-buffers stay views of that memory,
+        which is the caller's now: they are valid until the caller frees it, like
+        any raw address."""
         self._check()
         if not self._owns:
             raise ValueError("take_ptr() on a sub-buffer: take the parent's pointer instead")
@@ -238,9 +239,7 @@ class _BufferBase(_BufferFieldsBase):
         self._check()
         dt = as_dtype(dtype)
         size = check_size(size)
-        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
-            raise TypeError(f"offset must be an integer, not {offset!r}")
-        offset = int(offset)
+        offset = check_int(offset, "offset")
         start = offset * dt.itemsize
         end = start + size * dt.itemsize
         if offset < 0 or end > self._nbytes:

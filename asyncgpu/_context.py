@@ -38,6 +38,7 @@ from ._types import (
     LaunchAttribute,
     LaunchAttributeID,
     StreamPriorityRange,
+    check_int,
 )
 
 __all__ = ["DeviceContext"]
@@ -247,16 +248,13 @@ class DeviceContext(_ContextBase):
             self._ref = _Ref()
             self._ref.owner = weakref.ref(self)
             return
-        if isinstance(device_id, bool) or not isinstance(device_id, (int, np.integer)):
-            raise TypeError(f"device_id must be an int, not {device_id!r}")
+        device_id = check_int(device_id, "device_id")
         if api is not None and not isinstance(api, str):
             raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
         api = (api or default_api()).lower()
         if num_streams is None:
             num_streams = int(os.environ.get("ASYNCGPU_NUM_STREAMS", _DEFAULT_NUM_STREAMS))
-        elif isinstance(num_streams, bool) or not isinstance(num_streams, (int, np.integer)):
-            raise TypeError(f"num_streams must be an int, not {num_streams!r}")
-        num_streams = int(num_streams)
+        num_streams = check_int(num_streams, "num_streams")
         if num_streams < 1:
             raise ValueError(f"num_streams must be at least 1, got {num_streams}")
         self._state = _ContextState(api, int(device_id), num_streams)
@@ -505,11 +503,10 @@ class DeviceContext(_ContextBase):
         is the base stream. Raises ``IndexError`` outside ``0..num_streams()-1``."""
         self._check_open()
         n = self._state.num_streams
-        if isinstance(stream_id, bool) or not isinstance(stream_id, (int, np.integer)):
-            raise TypeError(f"stream_id must be an int, not {stream_id!r}")
+        stream_id = check_int(stream_id, "stream_id")
         if not 0 <= stream_id < n:
             raise IndexError(f"stream_id {stream_id} is outside 0..{n - 1}")
-        return self._view(self._state.stream(int(stream_id)))
+        return self._view(self._state.stream(stream_id))
 
     def stream_priority_range(self) -> StreamPriorityRange:
         """The priorities streams may have (``cuCtxGetStreamPriorityRange``)."""
@@ -520,9 +517,7 @@ class DeviceContext(_ContextBase):
         """A new stream outside the pool (``cuStreamCreateWithPriority``,
         non-blocking). ``priority`` must lie in ``stream_priority_range()``."""
         self._check_open()
-        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
-            raise TypeError(f"priority must be an int, not {priority!r}")
-        priority = int(priority)
+        priority = check_int(priority, "priority")
         rng = self._state.backend.priority_range()
         lo, hi = sorted((rng.least, rng.greatest))
         if not lo <= priority <= hi:
@@ -1072,8 +1067,9 @@ class DeviceContext(_ContextBase):
 
     def _time(self, body: Callable[[], Any], num_iters: int) -> int:
         self._check_open()
-        if isinstance(num_iters, bool) or not isinstance(num_iters, int) or num_iters < 0:
-            raise ValueError(f"num_iters must be a non-negative int, got {num_iters!r}")
+        num_iters = check_int(num_iters, "num_iters")
+        if num_iters < 0:
+            raise ValueError(f"num_iters must not be negative, got {num_iters}")
         return int(self._state.backend.elapsed_ns(body, self._impl))
 
     # -- tracing ---------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from ._accel import c_base
-from ._types import Dim
+from ._types import DeviceAttribute, Dim, check_int
 
 if TYPE_CHECKING:
     from ._context import DeviceContext
@@ -177,8 +177,17 @@ class DeviceFunction(_FunctionBase):
 
     def occupancy(self, block_size: int, shared_mem_bytes: int = 0) -> int:
         """Most blocks of ``block_size`` threads that can be resident on one
-        multiprocessor (``cuOccupancyMaxActiveBlocksPerMultiprocessor``)."""
+        multiprocessor (``cuOccupancyMaxActiveBlocksPerMultiprocessor``).
+        ``block_size`` is from 1 to the device's most threads per block;
+        ``shared_mem_bytes`` is not negative (``ValueError``)."""
         self._ctx._check_open()
+        block_size = check_int(block_size, "block_size")
+        shared_mem_bytes = check_int(shared_mem_bytes, "shared_mem_bytes")
+        limit = self._ctx.get_attribute(DeviceAttribute.MAX_THREADS_PER_BLOCK)
+        if not 1 <= block_size <= limit:
+            raise ValueError(f"block_size {block_size} is outside 1..{limit}")
+        if shared_mem_bytes < 0:
+            raise ValueError(f"shared_mem_bytes must not be negative, got {shared_mem_bytes}")
         return self._ctx._state.backend.function_occupancy(self, block_size, shared_mem_bytes)
 
     def __repr__(self) -> str:

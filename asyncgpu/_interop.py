@@ -49,6 +49,7 @@ import numpy as np
 
 from ._buffer import DeviceBuffer, HostBuffer, _BufferBase, _Span
 from ._event import DeviceEvent
+from ._types import check_int
 
 if TYPE_CHECKING:
     from ._context import DeviceContext, _ContextState
@@ -728,11 +729,7 @@ def export_dlpack(
         raise BufferError("asyncgpu buffers export without copying; use enqueue_copy to copy")
     if buf._dtype.kind not in _DL_CODES or not buf._dtype.isnative:
         raise BufferError(f"dtype {buf._dtype} has no DLPack equivalent")
-    if stream is not None and (
-        isinstance(stream, bool) or not isinstance(stream, (int, np.integer))
-    ):
-        raise TypeError(f"stream must be an int or None, not {stream!r}")
-    s = None if stream is None else int(stream)
+    s = None if stream is None else check_int(stream, "stream (or None)")
     consumer: int | None = None
     if device[0] == kDLCUDA:
         if s == 0:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Union
 
@@ -17,6 +19,14 @@ __all__ = [
     "LaunchAttributeID",
     "StreamPriorityRange",
 ]
+
+
+def check_int(value: Any, what: str) -> int:
+    """``value`` as an ``int``: a Python or NumPy integer, never a ``bool``
+    (``TypeError`` naming ``what`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, not {value!r}")
+    return operator.index(value)
 
 
 class Dim(NamedTuple):

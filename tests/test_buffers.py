@@ -138,6 +138,24 @@ def test_sub_buffer_of_a_sub_buffer(ctx: DeviceContext, rng: np.random.Generator
     np.testing.assert_array_equal(read(ctx, inner), data[15:25])
 
 
+def test_a_sub_buffer_outlives_its_parents_take_ptr_as_a_view_of_the_callers_memory(
+    ctx: DeviceContext, rng: np.random.Generator
+) -> None:
+    data = rng.integers(0, 1000, 64).astype(np.int32)
+    buf = ctx.enqueue_create_buffer(np.int32, 64)
+    ctx.enqueue_copy(buf, data)
+    sub = buf.create_sub_buffer(np.int32, 16, 8)
+    ptr = buf.take_ptr()
+    assert sub.unsafe_ptr() == ptr + 16 * 4
+    out = np.zeros(8, np.int32)
+    ctx.enqueue_copy(out, sub).synchronize()
+    np.testing.assert_array_equal(out, data[16:24])
+    with pytest.raises(ValueError, match="take_ptr"):
+        buf.unsafe_ptr()
+    with pytest.raises(ValueError, match="sub-buffer"):
+        sub.take_ptr()
+
+
 def test_sub_buffer_of_a_host_buffer(ctx: DeviceContext, rng: np.random.Generator) -> None:
     h = ctx.enqueue_create_host_buffer(np.int64, 20)
     ctx.synchronize()

@@ -369,3 +369,28 @@ def test_execution_time_arguments(ctx: DeviceContext) -> None:
         ctx.execution_time(42, 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         ctx.execution_time(lambda: None, -1)
+    with pytest.raises(TypeError, match="num_iters"):
+        ctx.execution_time(lambda: None, 2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="num_iters"):
+        ctx.execution_time_iter(lambda i: None, True)
+
+
+def test_execution_time_takes_a_numpy_integer_count(ctx: DeviceContext) -> None:
+    seen: list[int] = []
+    assert ctx.execution_time_iter(seen.append, np.int64(3)) >= 0
+    assert seen == [0, 1, 2]
+
+
+def test_occupancy_answers_for_a_valid_block_and_refuses_the_rest(ctx: DeviceContext) -> None:
+    f = ctx.compile_function(ADD_ONE)
+    assert f.occupancy(256) >= 1
+    assert f.occupancy(np.int32(128), shared_mem_bytes=1024) >= 1
+    with pytest.raises(TypeError, match="block_size"):
+        f.occupancy(2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="shared_mem_bytes"):
+        f.occupancy(256, shared_mem_bytes="0")  # type: ignore[arg-type]
+    for bad in (0, -32, 1025):
+        with pytest.raises(ValueError, match="block_size"):
+            f.occupancy(bad)
+    with pytest.raises(ValueError, match="shared_mem_bytes"):
+        f.occupancy(256, shared_mem_bytes=-1)
