@@ -39,7 +39,7 @@ import numpy as np
 from . import _accel, _interop
 from ._buffer import DeviceBuffer, HostBuffer
 from ._compiler import compile_cuda, dump_sass, write_dump
-from ._engine import cpu_pool, host_work, pool_size, refuse_wait_from_own_work, watcher
+from ._engine import cpu_pool, host_work, pool_size, waiting_for, watcher
 from ._errors import (
     CompileError,
     DeviceError,
@@ -1117,16 +1117,16 @@ class CudaStream(_PolledStream):
         super()._block(ev)
 
     def synchronize(self) -> None:
-        refuse_wait_from_own_work(self)
-        self._settle()  # cuStreamSynchronize sees only what the driver was given
-        tail = self.tail()
-        if tail is not None:
-            self._need(tail, eager=False)
-        err = cu.cuStreamSynchronize(self.raw)[0]
-        if err != _SUCCESS:
-            self._raise_fault(err, "cuStreamSynchronize")
-        # Host work may still be finishing its completion write: let it land.
-        super().synchronize()
+        with waiting_for(self):
+            self._settle()  # cuStreamSynchronize sees only what the driver was given
+            tail = self.tail()
+            if tail is not None:
+                self._need(tail, eager=False)
+            err = cu.cuStreamSynchronize(self.raw)[0]
+            if err != _SUCCESS:
+                self._raise_fault(err, "cuStreamSynchronize")
+            # Host work may still be finishing its completion write: let it land.
+            super().synchronize()
 
     def _raise_fault(self, err: Any, what: str) -> None:
         e = _error(err, what)

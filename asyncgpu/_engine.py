@@ -71,7 +71,7 @@ _first = operator.itemgetter(0)
 # -- the CPU thread pool ------------------------------------------------------------
 
 _pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
+_pool: _CpuPool | None = None
 
 
 def pool_size() -> int:
@@ -84,10 +84,12 @@ def pool_size() -> int:
 
 class _HostWork(threading.local):
     """The stream whose host work (a CPU function, range or CPU kernel) this pool
-    thread is running, if any, and that operation's sequence number."""
+    thread is running, if any, that operation's sequence number, and whether the
+    thread is blocked in a wait that the pool makes up for (``waiting_for``)."""
 
     stream: Any = None
     seq = 0
+    waiting = False
 
 
 host_work = _HostWork()
@@ -109,6 +111,67 @@ def refuse_wait_from_own_work(stream: Any, seq: int | None = None) -> None:
         )
 
 
+class waiting_for:
+    """``with waiting_for(stream, seq):`` around a blocking wait for ``stream``'s
+    work (operation ``seq``; None: all of it). Refuses a wait of host work for
+    itself (``refuse_wait_from_own_work``). Host work that blocks for other work
+    holds one of the CPU pool's threads while the work it waits for may itself
+    need one, so the pool has one thread more for as long as the wait lasts
+    (``_CpuPool.blocked``): CPU functions that each wait for another stream's
+    CPU work never use up the pool. A wait nested in such a wait counts once."""
+
+    __slots__ = ("_counted",)
+
+    def __init__(self, stream: Any, seq: int | None = None) -> None:
+        refuse_wait_from_own_work(stream, seq)
+        self._counted = False
+
+    def __enter__(self) -> None:
+        pool = _pool
+        if host_work.stream is not None and not host_work.waiting and pool is not None:
+            host_work.waiting = self._counted = True
+            pool.blocked(1)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._counted:
+            host_work.waiting = False
+            _pool.blocked(-1)  # type: ignore[union-attr]
+
+
+class _CpuPool(ThreadPoolExecutor):
+    """The CPU pool: a ``ThreadPoolExecutor`` of ``size`` threads, plus one for
+    each of its threads blocked in a wait (``waiting_for``), as a work-stealing
+    pool makes up for a blocked worker. The extra threads stay, idle, once the
+    waits end; the pool never has more threads than ``size`` plus the most waits
+    at one time. (The executor starts threads in ``_adjust_thread_count``, up to
+    ``_max_workers``, unless its ``_idle_semaphore`` counts one idle; an executor
+    without them gets no extra threads.)"""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size, thread_name_prefix="asyncgpu-cpu")
+        self._size = size
+        self._waits = 0
+        self._waits_lock = threading.Lock()
+
+    def blocked(self, change: int) -> None:
+        """``change`` (+1, -1) more pool threads are blocked in a wait."""
+        with self._waits_lock:
+            self._waits += change
+            self._max_workers = self._size + self._waits
+        adjust = getattr(self, "_adjust_thread_count", None)
+        idle = getattr(self, "_idle_semaphore", None)
+        if change > 0 and adjust is not None and idle is not None:
+            with self._shutdown_lock:
+                if not self._shutdown:
+                    # The executor counts a thread idle each time it finishes an
+                    # item, so the count runs ahead of the truth and it would
+                    # start no thread: drop the count, then start one (up to
+                    # _max_workers).
+                    while idle.acquire(timeout=0):
+                        pass
+                    adjust()
+
+
 def cpu_pool() -> ThreadPoolExecutor:
     """The process-wide pool that runs CPU functions, CPU ranges, CPU kernels and
     the CPU device's copies."""
@@ -117,7 +180,7 @@ def cpu_pool() -> ThreadPoolExecutor:
     if pool is None:
         with _pool_lock:
             if _pool is None:
-                _pool = ThreadPoolExecutor(pool_size(), thread_name_prefix="asyncgpu-cpu")
+                _pool = _CpuPool(pool_size())
             pool = _pool
     return pool
 

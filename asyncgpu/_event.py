@@ -228,10 +228,10 @@ class DeviceEvent(_EventBase):
             stream = self._stream
             if stream is None:
                 raise AsyncGPUError("this event was never recorded on a stream")
-            from ._engine import refuse_wait_from_own_work
+            from ._engine import waiting_for
 
-            refuse_wait_from_own_work(stream, self._seq)
-            stream._block(self)
+            with waiting_for(stream, self._seq):
+                stream._block(self)
 
     def _raise_fault(self) -> None:
         """Raise the event's error if it is a device fault (a stream-level wait

@@ -539,8 +539,11 @@ class _PolledStream(_StreamImpl, _StreamBase):
             if p is None:
                 return
             p.append((0, handed.set))
-        while not handed.wait(0.005):
-            self._check_fault()
+        # (Held work here is held behind host work: a CPU function of this
+        # stream would wait for itself.)
+        with _engine.waiting_for(self):
+            while not handed.wait(0.005):
+                self._check_fault()
 
     # -- faults ----------------------------------------------------------------------
 

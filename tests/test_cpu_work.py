@@ -162,6 +162,67 @@ async def test_a_cpu_function_that_waits_for_its_own_stream_gets_a_runtime_error
         ctx.enqueue_cpu_function(print)
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("read", ["stream.handle", "__cuda_stream__", "__cuda_array_interface__"])
+async def test_a_cpu_function_that_settles_its_own_cuda_stream_gets_a_runtime_error(
+    api: str, read: str
+) -> None:
+    """A CUDA stream holds the work after a CPU function on the host until the
+    function ends, and handing out its handle first hands that work to the driver:
+    from inside the function, that waited for the function itself, for ever."""
+    if api != "cuda":
+        pytest.skip("the CPU device holds no work back: its handle never waits")
+    ctx = DeviceContext(api=api)
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    reads = {
+        "stream.handle": lambda: ctx.stream().handle,
+        "__cuda_stream__": lambda: ctx.stream().__cuda_stream__(),
+        "__cuda_array_interface__": lambda: buf.__cuda_array_interface__,
+    }
+    ev = ctx.enqueue_cpu_function(reads[read])
+    done, _ = await asyncio.wait({asyncio.ensure_future(ev)}, timeout=TIMEOUT_S)
+    if not done:
+        pytest.fail(f"a CPU function's {read} waited for itself")
+    with pytest.raises(RuntimeError, match="wait for itself"):
+        ev.synchronize()
+    assert isinstance(ctx.stream().handle, int)  # outside the function it answers
+    ctx.close()
+
+
+@pytest.mark.asyncio
+async def test_cpu_functions_that_block_for_other_streams_never_use_up_the_pool(
+    ctx: DeviceContext,
+) -> None:
+    """Every thread of the CPU pool runs a function that blocks until another
+    stream's CPU work is done, and that work is queued behind them: the pool
+    starts a thread for each blocked wait (it deadlocked before 2026-12-05)."""
+    from asyncgpu._engine import cpu_pool, pool_size
+
+    n = pool_size()
+    # First a burst of work queued behind busy threads: the executor then counts
+    # more idle threads than it has, and must start threads all the same.
+    gate = threading.Event()
+    burst = [cpu_pool().submit(gate.wait, TIMEOUT_S) for _ in range(3 * n)]
+    gate.set()
+    assert all(f.result(TIMEOUT_S) for f in burst)
+
+    other = ctx.select_stream(3)
+    started = threading.Barrier(n + 1, timeout=TIMEOUT_S)
+    go = threading.Event()
+
+    def blocks_for_other(i: int) -> None:
+        started.wait()  # every pool thread is in here
+        assert go.wait(TIMEOUT_S)
+        other.synchronize()
+
+    blocked = ctx.select_stream(1).enqueue_cpu_range(blocks_for_other, n)
+    started.wait()
+    queued = other.enqueue_cpu_function(lambda: "the other stream's work")
+    go.set()
+    assert await asyncio.wait_for(queued, TIMEOUT_S) == "the other stream's work"
+    await asyncio.wait_for(blocked, TIMEOUT_S)
+
+
 def test_a_cpu_function_may_wait_for_earlier_work_of_its_own_stream(ctx: DeviceContext) -> None:
     """Only a wait for itself is refused: the work before it on the stream has
     finished when it runs, though the stream may not have noticed yet."""
