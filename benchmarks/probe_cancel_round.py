@@ -190,7 +190,18 @@ def main() -> None:
     p.add_argument("--quiet", action="store_true", help="no per-stream lines")
     p.add_argument("--staged", type=int, default=0, help="only: N small pageable copies")
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval")
+    p.add_argument(
+        "--watcher-spin-s",
+        type=float,
+        default=None,
+        help="the CUDA watcher's spin after progress (_engine.SPIN_S; 0: park at once)",
+    )
     a = p.parse_args()
+    from asyncgpu import _engine
+
+    if a.watcher_spin_s is not None:
+        _engine.SPIN_S = a.watcher_spin_s
+    print(f"watcher spin {_engine.SPIN_S} s", flush=True)
     if a.switch_interval is not None:
         sys.setswitchinterval(a.switch_interval)
     print(f"switch interval {sys.getswitchinterval()} s", flush=True)
