@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._buffer import _BufferBase
-from ._engine import cpu_pool, host_work, pool_size
+from ._engine import cpu_pool, fan_out, host_work, pool_size, range_work
 from ._errors import CompileError, UnsupportedError
 from ._event import DeviceEvent, _UserEvent
 from ._function import DeviceFunction, Kernel, ThreadBlock, reject_python_scalar
@@ -163,32 +163,7 @@ class CpuStream(_StreamImpl):
         when every chunk has, with the first error raised, if any."""
 
         def start(ev: DeviceEvent) -> None:
-            if n == 0:
-                ev._finish(None, None)
-                return
-            k = min(n, pool_size())
-            bounds = [(n * j // k, n * (j + 1) // k) for j in range(k)]
-            left = [k]
-            errors: list[BaseException] = []
-            lock = threading.Lock()
-
-            def chunk(lo: int, hi: int) -> None:
-                host_work.stream, host_work.seq = self, ev._seq
-                try:
-                    work(lo, hi)
-                except BaseException as e:
-                    with lock:
-                        errors.append(e)
-                host_work.stream = None
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    ev._finish(None, errors[0] if errors else None)
-
-            pool = cpu_pool()
-            for lo, hi in bounds:
-                pool.submit(chunk, lo, hi)
+            fan_out(self, ev._seq, n, work, ev._finish)
 
         return start
 
@@ -224,7 +199,7 @@ class CpuStream(_StreamImpl):
         return self._enqueue(self._on_pool(lambda: fn(*args, **kwargs)), (fn, args, kwargs))
 
     def cpu_range(self, fn: Callable[[int], Any], count: int) -> DeviceEvent:
-        return self._enqueue(self._fanout(count, _range_work(fn)), fn)
+        return self._enqueue(self._fanout(count, range_work(fn)), fn)
 
     def launch(
         self,
@@ -289,21 +264,6 @@ def _run(ev: DeviceEvent, fn: Callable[[], Any]) -> None:
 
 def _finish_now(ev: DeviceEvent) -> None:
     ev._finish(None, None)
-
-
-def _range_work(fn: Callable[[int], Any]) -> Callable[[int, int], None]:
-    def work(lo: int, hi: int) -> None:
-        first: BaseException | None = None
-        for i in range(lo, hi):
-            try:
-                fn(i)
-            except BaseException as e:
-                if first is None:
-                    first = e
-        if first is not None:
-            raise first
-
-    return work
 
 
 _arity: dict[tuple[Any, int], str | None] = {}  # (function, argument count): the error, if any

@@ -39,7 +39,7 @@ import numpy as np
 from . import _accel, _interop
 from ._buffer import DeviceBuffer, HostBuffer
 from ._compiler import compile_cuda, dump_sass, write_dump
-from ._engine import cpu_pool, host_work, pool_size, waiting_for, watcher
+from ._engine import cpu_pool, fan_out, host_work, pool_size, range_work, waiting_for, watcher
 from ._errors import (
     CompileError,
     DeviceError,
@@ -990,32 +990,7 @@ class CudaStream(_PolledStream):
         op = [0]  # (this operation's sequence number, for host_work)
 
         def start(finish: Callable[[Any, BaseException | None], None]) -> None:
-            if count == 0:
-                finish(None, None)
-                return
-            k = min(count, pool_size())
-            left = [k]
-            errors: list[BaseException] = []
-            lock = threading.Lock()
-
-            def chunk(lo: int, hi: int) -> None:
-                host_work.stream, host_work.seq = self, op[0]
-                for i in range(lo, hi):
-                    try:
-                        fn(i)
-                    except BaseException as e:
-                        with lock:
-                            errors.append(e)
-                host_work.stream = None
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    finish(None, errors[0] if errors else None)
-
-            pool = cpu_pool()
-            for j in range(k):
-                pool.submit(chunk, count * j // k, count * (j + 1) // k)
+            fan_out(self, op[0], count, range_work(fn), finish)
 
         self._prune()
         return self._host_op(start, fn, seq_to=op)

@@ -39,6 +39,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -183,6 +184,62 @@ def cpu_pool() -> ThreadPoolExecutor:
                 _pool = _CpuPool(pool_size())
             pool = _pool
     return pool
+
+
+def fan_out(
+    stream: Any,
+    seq: int,
+    count: int,
+    work: Callable[[int, int], None],
+    finish: Callable[[Any, BaseException | None], None],
+) -> None:
+    """Run ``work(lo, hi)`` over ``[0, count)`` in up to ``pool_size()`` chunks on
+    the CPU pool, each marked as host work of ``stream``'s operation ``seq``, then
+    ``finish(None, error)`` once, after the last chunk: ``error`` is the first
+    error a chunk raised, or None. Does not block."""
+    if count == 0:
+        finish(None, None)
+        return
+    k = min(count, pool_size())
+    left = [k]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def chunk(lo: int, hi: int) -> None:
+        host_work.stream, host_work.seq = stream, seq
+        try:
+            work(lo, hi)
+        except BaseException as e:
+            with lock:
+                errors.append(e)
+        host_work.stream = None
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            finish(None, errors[0] if errors else None)
+
+    pool = cpu_pool()
+    for j in range(k):
+        pool.submit(chunk, count * j // k, count * (j + 1) // k)
+
+
+def range_work(fn: Callable[[int], Any]) -> Callable[[int, int], None]:
+    """``work(lo, hi)`` for ``fan_out`` that calls ``fn(i)`` for every ``i`` of the
+    chunk, and raises the first error once the chunk is done."""
+
+    def work(lo: int, hi: int) -> None:
+        first: BaseException | None = None
+        for i in range(lo, hi):
+            try:
+                fn(i)
+            except BaseException as e:
+                if first is None:
+                    first = e
+        if first is not None:
+            raise first
+
+    return work
 
 
 # -- asyncio reactor --------------------------------------------------------------
