@@ -30,8 +30,27 @@ if TYPE_CHECKING:
 __all__ = ["DeviceBuffer", "HostBuffer", "as_dtype"]
 
 
+_DTYPES: dict[Any, np.dtype[Any]] = {}  # dtype specifications seen, and what they are
+_DTYPES_MAX = 256
+
+
 def as_dtype(dtype: Any) -> np.dtype[Any]:
-    """``numpy.dtype(dtype)``, with a ``TypeError`` naming the bad value."""
+    """``numpy.dtype(dtype)``, with a ``TypeError`` naming the bad value. A valid
+    specification by type or by name (``np.float32``, ``"f4"``) is remembered, up
+    to 256 of them, so the next lookup of it is one dictionary probe (types and
+    strings compare exactly; a ``np.dtype`` may carry metadata, so it is not a key)."""
+    kind = type(dtype)
+    if kind is type or kind is str:
+        dt = _DTYPES.get(dtype)
+        if dt is None:
+            dt = _new_dtype(dtype)
+            if len(_DTYPES) < _DTYPES_MAX:
+                _DTYPES[dtype] = dt
+        return dt
+    return _new_dtype(dtype)
+
+
+def _new_dtype(dtype: Any) -> np.dtype[Any]:
     try:
         dt = np.dtype(dtype)
     except TypeError as e:

@@ -2179,7 +2179,8 @@ static PyObject *dtype_cache = NULL; /* {dtype argument: (dtype, itemsize)} */
 static int exiting = 0;              /* the interpreter is exiting (set_exiting()) */
 #define DTYPE_CACHE_MAX 256
 static PyObject *s_release_memory, *s_open, *s_trace, *s_grid_dim, *s_block_dim,
-    *s_launch, *s_alloc_ptr, *s_itemsize, *s_general_function, *s_general_create, *empty_tuple;
+    *s_launch, *s_alloc_ptr, *s_itemsize, *s_general_function, *s_general_create, *empty_tuple,
+    *s_backend, *s_alloc_device;
 
 /* A dropped buffer that owns memory: a device allocation of a CUDA stream goes
  * back to the stream's kept buffers here, without Python, when the stream keeps
@@ -2631,9 +2632,26 @@ static PyObject *cached_dtype(PyObject *key) {
     return entry;
 }
 
+/* A new allocation of nbytes for the context's stream, from its backend
+ * (state.backend.alloc_device(nbytes, impl): cuMemAllocFromPoolAsync, in
+ * Python), or NULL with an exception (out of memory: DeviceError). */
+static PyObject *alloc_from_backend(ContextCore *c, Py_ssize_t nbytes) {
+    PyObject *backend, *n, *a;
+    backend = PyObject_GetAttr(c->state, s_backend);
+    if (backend == NULL)
+        return NULL;
+    n = PyLong_FromSsize_t(nbytes);
+    a = n == NULL ? NULL : PyObject_CallMethodObjArgs(backend, s_alloc_device, n, c->impl, NULL);
+    Py_XDECREF(n);
+    Py_DECREF(backend);
+    return a;
+}
+
 /* enqueue_create_buffer's fast path: a DeviceBuffer on memory the current CUDA
- * stream kept (no driver call, no Python), Py_None (a new reference: the
- * general path takes the call), or NULL with an exception. */
+ * stream kept (no driver call, no Python) or, where it kept none of that size,
+ * on a new allocation of the backend (the arguments' checks and the buffer's
+ * fields in C all the same); Py_None (a new reference: the general path takes
+ * the call), or NULL with an exception. */
 static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *size) {
     PyObject *entry, *sp, *a;
     Py_ssize_t count, itemsize, nbytes;
@@ -2663,9 +2681,30 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
         Py_RETURN_NONE;
     nbytes = count * itemsize;
     a = spare_take((SpareCore *)sp, nbytes, &ptr);
-    if (a == NULL)
-        Py_RETURN_NONE;
-    if (Py_TYPE(a) != device_alloc_type || ptr == 0) {
+    if (a == NULL) {
+        PyObject *o;
+        a = alloc_from_backend(c, nbytes);
+        if (a == NULL)
+            return NULL;
+        ptr = 0;
+        if (Py_TYPE(a) == device_alloc_type) {
+            o = PyObject_GetAttr(a, s_alloc_ptr);
+            if (o == NULL || as_u64(o, &ptr) < 0) {
+                Py_XDECREF(o);
+                Py_DECREF(a);
+                return NULL;
+            }
+            Py_DECREF(o);
+        }
+        if (ptr == 0) {
+            /* another kind of allocation: DeviceBuffer.__init__ reads what it needs */
+            b = (BufferCore *)PyObject_CallFunctionObjArgs(
+                (PyObject *)device_buffer_type, (PyObject *)c, a, PyTuple_GetItem(entry, 0), size,
+                c->impl, NULL);
+            Py_DECREF(a);
+            return (PyObject *)b;
+        }
+    } else if (Py_TYPE(a) != device_alloc_type || ptr == 0) {
         /* not a device allocation of this backend, or of no known address: back
          * for the general path */
         spare_keep((SpareCore *)sp, a, nbytes, ptr);
@@ -2902,10 +2941,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_itemsize = intern("itemsize");
     s_general_function = intern("_enqueue_function");
     s_general_create = intern("_enqueue_create_buffer");
+    s_backend = intern("backend");
+    s_alloc_device = intern("alloc_device");
     empty_tuple = PyTuple_New(0);
     dtype_cache = PyDict_New();
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
-        !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
+        !s_backend || !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
         !s_finish_retired || !s_completed_slow || !s_need || !s_impl || !s_last ||
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
         !s_codes || !s_addr || !s_pointers || !s_release_memory || !s_open || !s_trace ||

@@ -24,6 +24,8 @@ __all__ = [
 def check_int(value: Any, what: str) -> int:
     """``value`` as an ``int``: a Python or NumPy integer, never a ``bool``
     (``TypeError`` naming ``what`` otherwise)."""
+    if type(value) is int:  # the common case, without the ABC check below
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{what} must be an int, not {value!r}")
     return operator.index(value)

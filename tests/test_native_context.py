@@ -5,8 +5,9 @@ stand-in driver and a CudaStream built without a GPU.
 
 What must hold: the C path takes only the common case (a compiled function of
 this context, ``grid_dim`` and ``block_dim`` alone and seen before, nothing
-traced; memory the current stream kept) and does exactly what the Python method
-does there; every other call reaches the Python method (``_enqueue_function``,
+traced; a device buffer of memory the current stream kept, or else of a new
+allocation of the backend) and does exactly what the Python method does there;
+every other call reaches the Python method (``_enqueue_function``,
 ``_enqueue_create_buffer``) unchanged, which checks it and raises the precise
 error; a dropped buffer's memory goes back to its stream only when that stream
 keeps it, and to ``_release_memory`` otherwise.
@@ -57,6 +58,27 @@ class _Kernel:
         self.handle = 0xF00
 
 
+class _Backend:
+    """Stands in for ``CudaBackend.alloc_device``: records each call and answers
+    ``allocation(nbytes)`` (a ``_DeviceAlloc`` at 0x9000_0000), or raises ``error``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, Any]] = []
+        self.error: BaseException | None = None
+        self.allocation: Any = lambda nbytes: cuda._DeviceAlloc(
+            None,  # type: ignore[arg-type]
+            _CoreBuffer(0x9000_0000),
+            None,
+            nbytes,
+        )
+
+    def alloc_device(self, nbytes: int, stream: Any) -> Any:
+        self.calls.append((nbytes, stream))
+        if self.error is not None:
+            raise self.error
+        return self.allocation(nbytes)
+
+
 class Setup:
     """A DeviceContext over a stand-in CUDA stream, and a compiled function of it
     whose configurations for grid 4 and grid 8 (block 256) are cached."""
@@ -67,7 +89,8 @@ class Setup:
         s = self.stream.s
         s.spare = cuda._SpareBuffers(cuda._SPARE_BYTES, cuda._SPARE_PER_SIZE)
         ctx = self.ctx = object.__new__(DeviceContext)
-        ctx._state = SimpleNamespace(closed=False, trace=None)
+        self.backend = _Backend()
+        ctx._state = SimpleNamespace(closed=False, trace=None, backend=self.backend)
         ctx._ref = _Ref()
         ctx._impl = s
         self.kernel = _Kernel()
@@ -300,9 +323,7 @@ def test_sub_buffers_taken_pointers_and_the_exit_give_nothing_to_the_stream(
         (np.uint8, np.int64(8)),
         (np.uint8, 8.0),
         (np.uint8, 2**70),
-        (np.uint8, 2**62),  # more bytes than any memory: the Python method says so
         ([1], 8),  # not a dtype argument the cache takes
-        (np.float64, 512),  # a size the stream keeps nothing of
     ],
 )
 def test_any_other_creation_reaches_the_python_method_unchanged(
@@ -312,6 +333,61 @@ def test_any_other_creation_reaches_the_python_method_unchanged(
     assert setup.ctx.enqueue_create_buffer(dtype, size) == "general"
     assert setup.general == [("create", (dtype, size), {})]
     assert setup.stream.s.spare.kept()  # nothing taken
+    assert setup.backend.calls == []  # nothing allocated
+
+
+def test_a_size_the_stream_keeps_nothing_of_is_allocated_by_the_backend_in_c(
+    setup: Setup,
+) -> None:
+    """The Python method's allocation, ``backend.alloc_device(nbytes, stream)``,
+    called from C, and the buffer built there as on kept memory."""
+    kept = _kept_alloc(setup, 512)
+    b = setup.ctx.enqueue_create_buffer(np.float64, 512)
+    assert type(b) is DeviceBuffer and setup.general == []
+    assert setup.backend.calls == [(4096, setup.stream.s)]
+    assert b._alloc is not kept and b.unsafe_ptr() == 0x9000_0000
+    assert (b.dtype, len(b), b.nbytes, b._owns, b._parent, b._hostbytes) == (
+        np.dtype(np.float64),
+        512,
+        4096,
+        True,
+        None,
+        None,
+    )
+    assert b._owner is setup.stream.s and b._ctx is setup.ctx
+    assert setup.stream.s.spare.take(512) is kept  # the kept one of another size stays
+
+
+def test_a_new_allocation_goes_back_to_its_stream_when_dropped(
+    setup: Setup, released: list[Any]
+) -> None:
+    b = setup.ctx.enqueue_create_buffer(np.uint8, 4096)
+    alloc = b._alloc
+    del b
+    assert released == [] and setup.stream.s.spare.take(4096) is alloc
+
+
+def test_the_backends_allocation_error_reaches_the_caller(setup: Setup) -> None:
+    """More bytes than any memory: the backend's ``DeviceError`` (what the Python
+    method raises there too), nothing kept taken."""
+    from asyncgpu import DeviceError
+
+    _kept_alloc(setup, 512)
+    setup.backend.error = DeviceError("allocating 4611686018427387904 bytes: out of memory")
+    with pytest.raises(DeviceError, match="allocating 4611686018427387904 bytes"):
+        setup.ctx.enqueue_create_buffer(np.uint8, 2**62)
+    assert setup.general == [] and setup.stream.s.spare.kept()
+
+
+def test_a_new_allocation_of_another_kind_is_built_by_the_buffer_class(setup: Setup) -> None:
+    """An allocation that is not a ``_DeviceAlloc`` goes to ``DeviceBuffer(...)``,
+    which reads its address and host memory itself."""
+    other = SimpleNamespace(ptr=0x5000, host=None)
+    setup.backend.allocation = lambda nbytes: other
+    b = setup.ctx.enqueue_create_buffer(np.uint8, 64)
+    assert type(b) is DeviceBuffer and b._alloc is other and b.unsafe_ptr() == 0x5000
+    assert setup.general == [] and len(b) == 64
+    b._owns = False  # (nothing to release: the stand-in has no release)
 
 
 def test_kept_memory_of_another_kind_or_address_is_left_to_the_python_method(
