@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def launch(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
         rounds,
         ctx.synchronize,
     )
-    pairs = _interleaved_with_cuda_core(ctx, empty, axpy, x, y, a, nn, calls, rounds)
+    pairs = _alternating_rounds(ctx, empty, axpy, x, y, a, nn, calls, rounds)
     with ctx.trace():
         t = _median_per_call_us(
             lambda: ctx.enqueue_function(empty, grid_dim=1, block_dim=1),
@@ -97,7 +98,7 @@ def launch(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
     }
 
 
-def _interleaved_with_cuda_core(
+def _alternating_rounds(
     ctx: ag.DeviceContext,
     empty: Any,
     axpy: Any,
@@ -107,12 +108,18 @@ def _interleaved_with_cuda_core(
     nn: np.int32,
     calls: int,
     rounds: int,
-) -> dict[str, float]:
-    """``enqueue_function`` and cuda.core's ``launch`` of the same kernels with the same
-    geometry and argument types, timed in alternating rounds in this one process, so
-    that the CPU's clock and the process's state are the same for both (the peers'
-    figures come from another phase of the run). Garbage collection stays on for
-    both, as in an application."""
+) -> dict[str, Any]:
+    """``enqueue_function`` and the peers' launches of the same kernels (cuda.core's
+    ``launch`` with the same geometry and argument types; with 4 arguments also
+    CuPy's ``RawKernel`` and PyTorch's ``add_``, where they import), timed in
+    alternating rounds in this one process, so that the CPU's clock and the
+    process's state are the same for all (the peers' section of the run times
+    them in another phase, whose host speed has differed by up to 15%). Garbage
+    collection stays on for all, as in an application.
+
+    Keys: ``paired_{who}{kind}_median_us`` with ``who`` "" (asyncgpu), "core_",
+    "cupy_" and ``kind`` "empty" or "axpy4"; ``paired_torch_add_median_us``
+    (in the 4-argument rounds); and each one's collector pauses and passes."""
     try:
         from cuda.core import Device, LaunchConfig
         from cuda.core import launch as core_launch
@@ -126,41 +133,85 @@ def _interleaved_with_cuda_core(
     cs.sync()
     k_empty, k_axpy = empty._impl.kernel, axpy._impl.kernel
     one, four = LaunchConfig(grid=1, block=1), LaunchConfig(grid=4, block=256)
-    cases = {
-        "empty": (
-            lambda: ctx.enqueue_function(empty, grid_dim=1, block_dim=1),
-            lambda: core_launch(cs, one, k_empty),
-        ),
-        "axpy4": (
-            lambda: ctx.enqueue_function(axpy, a, x, y, nn, grid_dim=4, block_dim=256),
-            lambda: core_launch(cs, four, k_axpy, a, cx, cy, nn),
-        ),
+    Timed = tuple[str, Callable[[], Any], Callable[[], Any]]  # (key, launch, sync)
+    cases: dict[str, list[Timed]] = {
+        "empty": [
+            (
+                "empty",
+                lambda: ctx.enqueue_function(empty, grid_dim=1, block_dim=1),
+                ctx.synchronize,
+            ),
+            ("core_empty", lambda: core_launch(cs, one, k_empty), cs.sync),
+        ],
+        "axpy4": [
+            (
+                "axpy4",
+                lambda: ctx.enqueue_function(axpy, a, x, y, nn, grid_dim=4, block_dim=256),
+                ctx.synchronize,
+            ),
+            ("core_axpy4", lambda: core_launch(cs, four, k_axpy, a, cx, cy, nn), cs.sync),
+        ],
     }
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
+    keep: list[Any] = []  # the peers' arrays, alive until every round has run
+    restore: list[Callable[[], Any]] = []
     try:
-        for name, (ours, theirs) in cases.items():
-            mine: list[float] = []
-            core: list[float] = []
-            gc_mine, gc_core = _harness.GcRecorder(), _harness.GcRecorder()
+        import cupy as cp
+
+        with cp.cuda.Device(ctx.id()):
+            kernel = cp.RawKernel(SRC, "axpy")
+            px = cp.asarray(rng.standard_normal(n).astype(np.float32))
+            py = cp.asarray(rng.standard_normal(n).astype(np.float32))
+            cp.cuda.Device(ctx.id()).synchronize()
+            cstream = cp.cuda.Stream(non_blocking=True)
+            cargs = (a, px, py, nn)
+            # RawKernel launches on CuPy's current stream (of this thread): this
+            # one until the rounds end; no other launch here reads it.
+            cstream.use()
+            restore.append(cp.cuda.Stream.null.use)
+
+            def cupy_launch() -> None:
+                kernel((4,), (256,), cargs)
+
+            cupy_launch()
+            cstream.synchronize()
+        keep += [kernel, px, py, cstream]
+        cases["axpy4"].append(("cupy_axpy4", cupy_launch, cstream.synchronize))
+    except Exception as e:  # not installed, or no device for it: a row that says so
+        out["paired_cupy_unavailable"] = f"{type(e).__name__}: {e}"[:200]
+    try:
+        import torch
+
+        t = torch.zeros(n, device=f"cuda:{ctx.id()}")
+        t.add_(1)
+        torch.cuda.synchronize()
+        keep.append(t)
+        cases["axpy4"].append(("torch_add", lambda: t.add_(1), torch.cuda.synchronize))
+    except Exception as e:
+        out["paired_torch_unavailable"] = f"{type(e).__name__}: {e}"[:200]
+    try:
+        for timed in cases.values():
+            per: dict[str, list[float]] = {key: [] for key, _, _ in timed}
+            gcs = {key: _harness.GcRecorder() for key, _, _ in timed}
             for _ in range(rounds):
-                with gc_mine:
-                    mine.append(_median_per_call_us(ours, calls, 1, ctx.synchronize)["median_us"])
-                with gc_core:
-                    core.append(_median_per_call_us(theirs, calls, 1, cs.sync)["median_us"])
-            out[f"paired_{name}_median_us"] = statistics.median(mine)
-            out[f"paired_core_{name}_median_us"] = statistics.median(core)
-            # The collector's share of each side: its pauses per launch, and its
-            # passes by generation, over every round.
-            for who, rec in (("", gc_mine), ("core_", gc_core)):
-                out[f"paired_{who}{name}_gc_pause_us_per_call"] = (
-                    rec.pause_s * 1e6 / (calls * rounds)
-                )
-                out[f"paired_{who}{name}_gc_passes"] = list(rec.passes)
+                for key, fn, sync in timed:
+                    with gcs[key]:
+                        per[key].append(_median_per_call_us(fn, calls, 1, sync)["median_us"])
+            for key, values in per.items():
+                out[f"paired_{key}_median_us"] = statistics.median(values)
+                # The collector's share: its pauses per launch, its passes by
+                # generation, over every round.
+                rec = gcs[key]
+                out[f"paired_{key}_gc_pause_us_per_call"] = rec.pause_s * 1e6 / (calls * rounds)
+                out[f"paired_{key}_gc_passes"] = list(rec.passes)
     finally:
         cs.sync()
         cx.close(cs)
         cy.close(cs)
         cs.close()
+        for undo in restore:
+            undo()
+        del keep
     return out
 
 
