@@ -141,6 +141,13 @@ def goal_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         False,
         "_native.launch back to back, no task or event (informational)",
     )
+    row(
+        "I4.4 asyncio's part: 1000 tasks' first await (ms)",
+        _get(res, "engine_throughput", "start_burst_asyncio_ms"),
+        None,
+        False,
+        "each awaits a plain asyncio future, no GPU (informational)",
+    )
     # Issue 5 (fast paths)
     for kind, label in (("axpy4", "4 args"), ("empty", "empty")):
         row(
