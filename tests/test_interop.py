@@ -30,6 +30,10 @@ def _has_cuda() -> bool:
 needs_gpu = pytest.mark.skipif(not _has_cuda(), reason="no CUDA device on this machine")
 
 
+async def _await(awaitable) -> None:
+    await awaitable
+
+
 @pytest.fixture
 def cpu():
     c = ag.DeviceContext(api="cpu")
@@ -532,8 +536,21 @@ class TestCuPy:
         buf = ext.context().enqueue_create_buffer(np.float32, 8)
         ext.context().enqueue_copy(buf, np.ones(8, np.float32))
         ext.synchronize()
-        theirs = cp.cuda.ExternalStream(cuda.create_stream().handle)
-        assert theirs.ptr != 0
+        ours = cuda.create_stream()
+        # Ours in CuPy: through the CUDA stream protocol (``__cuda_stream__``),
+        # CuPy 14's ``Stream.from_external``; older CuPy wraps the handle.
+        from_external = getattr(cp.cuda.Stream, "from_external", None)
+        if from_external is not None:
+            theirs = from_external(ours)
+        else:
+            theirs = cp.cuda.ExternalStream(ours.handle)
+        assert theirs.ptr == ours.handle
+        with theirs:
+            x = cp.arange(8, dtype=cp.float32)
+        ours.context().enqueue_copy(buf, x)
+        out = np.empty(8, np.float32)
+        ours.context().enqueue_copy(out, buf).synchronize()
+        np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32))
 
 
 # -- GPU: PyTorch ---------------------------------------------------------------------------
@@ -651,6 +668,48 @@ class TestTorch:
         out = np.empty(16, np.float32)
         ours.context().enqueue_copy(out, buf).synchronize()
         np.testing.assert_array_equal(out, 1)
+
+    def test_a_wrapped_stream_stands_for_its_owners_work(self, cuda) -> None:
+        """``await``, ``enqueue_wait_for`` and ``record_event`` of a wrapped stream
+        cover what its owner submitted there, not only asyncgpu's own work: each
+        first enqueues an empty operation of ours on it. PyTorch's work here is a
+        0.1 s spin and then a fill, which nothing of asyncgpu's comes after."""
+        import asyncio
+
+        torch = pytest.importorskip("torch")
+        n = 1 << 12
+        s = torch.cuda.Stream()
+        ext = cuda.create_external_stream(s)
+        t = torch.zeros(n, device="cuda")
+        torch.cuda.synchronize()
+
+        def torch_work(value: float) -> None:
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(100_000_000)
+                t.fill_(value)
+
+        # await the stream
+        torch_work(1)
+        asyncio.run(_await(ext))
+        assert s.query()
+
+        # another stream waits for it on the device, then copies what it wrote
+        torch_work(2)
+        other = cuda.create_stream()
+        other.enqueue_wait_for(ext)
+        buf = other.context().enqueue_create_buffer(np.float32, n)
+        other.context().enqueue_copy(buf, t)
+        out = np.empty(n, np.float32)
+        other.context().enqueue_copy(out, buf).synchronize()
+        np.testing.assert_array_equal(out, 2)
+
+        # an event recorded there finishes after the owner's work
+        torch_work(3)
+        ev = cuda.create_event()
+        ext.record_event(ev)
+        asyncio.run(_await(ev))
+        assert s.query()
+        assert float(t[0]) == 3
 
     def test_kernel_argument_is_ordered_with_torchs_stream(self, cuda) -> None:
         torch = pytest.importorskip("torch")
