@@ -673,7 +673,8 @@ class TestTorch:
         """``await``, ``enqueue_wait_for`` and ``record_event`` of a wrapped stream
         cover what its owner submitted there, not only asyncgpu's own work: each
         first enqueues an empty operation of ours on it. PyTorch's work here is a
-        0.1 s spin and then a fill, which nothing of asyncgpu's comes after."""
+        spin of 10**8 GPU cycles and then a fill, with no work of asyncgpu's
+        after it on that stream."""
         import asyncio
 
         torch = pytest.importorskip("torch")
