@@ -66,6 +66,7 @@ INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using th
 
 _monotonic = time.perf_counter
 _Future = asyncio.Future
+InvalidStateError = asyncio.InvalidStateError
 _first = operator.itemgetter(0)
 
 
@@ -285,10 +286,15 @@ class _Reactor:
         # reactor (_behind_host_work)
         self.held_waits: set[tuple[_PolledStream, int]] = set()
 
-    def add(self, stream: _PolledStream, ev: DeviceEvent) -> asyncio.Future[Any]:
-        """A future that this reactor completes once ``ev`` is done (on the loop's
-        thread, the only one that calls it)."""
-        fut: asyncio.Future[Any] = _Future(loop=self.loop)
+    def add(
+        self, stream: _PolledStream, ev: DeviceEvent, fut: asyncio.Future[Any] | None = None
+    ) -> asyncio.Future[Any]:
+        """A future (``fut``, else a new one) that this reactor completes once ``ev``
+        is done (on the loop's thread, the only one that calls it). The usual case,
+        an await behind the pending ones of a stream while the reactor runs, is
+        inline in ``polled_future``."""
+        if fut is None:
+            fut = _Future(loop=self.loop)
         self._insert(stream, ev._seq, ev, fut)
         if self.task is None:
             self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
@@ -408,8 +414,10 @@ class _Reactor:
         n = min(self.batch, len(d))
         for _ in range(n):
             fut = d.popleft()
-            if not fut.done():
+            try:  # (not contextlib.suppress: the wake-up's hot path)  # noqa: SIM105
                 fut.set_result(None)
+            except InvalidStateError:  # cancelled (its task was)
+                pass
         self.woken = n
         self.woke_at = now
 
@@ -519,7 +527,18 @@ def polled_future(
             stream._retire()
             if ev._done:
                 return None
-    return reactor.add(stream, ev)
+    # (``reactor.add``'s usual case, inline: the await's hot path)
+    fut: asyncio.Future[Any] = _Future(loop=loop)
+    awaits = reactor.pending.get(stream)
+    if (
+        awaits is not None
+        and awaits[-1][0] <= ev._seq
+        and reactor.park is None
+        and reactor.task is not None
+    ):
+        awaits.append((ev._seq, ev, fut))
+        return fut
+    return reactor.add(stream, ev, fut)
 
 
 _last: tuple[Any, Any] = (None, None)

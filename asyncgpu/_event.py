@@ -194,11 +194,20 @@ class DeviceEvent(_EventBase):
             stream._watch(self)
 
     def __await__(self) -> Generator[Any, None, Any]:
+        # (``_wait_on`` and ``_outcome``, inline: the await's hot path)
         if not self._done:
-            waiting = self._wait_on()
-            if waiting is not None:
-                yield from waiting
-        if self._error is not None:  # (self._outcome(), inline: the await's hot path)
+            stream = self._stream
+            if stream is None:
+                raise AsyncGPUError("this event was never recorded on a stream")
+            if not stream._poll(self):
+                loop = _get_running_loop()
+                if loop is None:
+                    yield from _await_other(self).__await__()
+                else:
+                    fut = stream._future(self, loop)
+                    if fut is not None:
+                        yield from fut
+        if self._error is not None:
             raise self._error
         return self._value
 

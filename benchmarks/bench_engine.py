@@ -245,6 +245,75 @@ def _throughput_round(
     return asyncio.run(run())
 
 
+def throughput_paired(
+    ctx: ag.DeviceContext,
+    empty: ag.DeviceFunction,
+    tasks: int,
+    per_task: int,
+    streams: int,
+    pairs: int = 5,
+) -> dict[str, Any]:
+    """The I4.2 workload (``tasks`` tasks each awaiting ``per_task`` empty launches
+    over ``streams`` streams) in rounds that alternate asyncgpu with the
+    host-callback strategy (``cuLaunchHostFunc`` + ``call_soon_threadsafe``,
+    ``peers_gpu.hostfunc_awaits``) on the same streams, kernel and event loop,
+    the garbage collector on for both, as applications run: the ratio of each
+    pair, free of drift between the suite's phases (the peers' own case runs
+    minutes later, with the collector paused for it), and their median. Who goes
+    first alternates from pair to pair. No ticker runs here (``throughput`` has
+    it)."""
+    import peers_gpu
+    from cuda.bindings import driver as drv
+
+    views = [ctx.select_stream(i % ctx.num_streams()) for i in range(streams)]
+    raw_streams = [drv.CUstream(v._impl.h) for v in views]
+    raw_empty = drv.CUfunction(int(empty._impl.fn))
+    bridge = peers_gpu.HostFnBridge()
+
+    async def ours(k: int) -> None:
+        v = views[k % streams]
+        for _ in range(per_task):
+            await v.enqueue_function(empty, grid_dim=1, block_dim=1)
+
+    async def rate(task: Callable[[int], Any]) -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(task(k) for k in range(tasks)))
+        return tasks * per_task / (time.perf_counter() - t0)
+
+    async def run() -> tuple[list[float], list[float]]:
+        theirs = peers_gpu.hostfunc_awaits(raw_empty, raw_streams, per_task, bridge)
+        warm_gpu(ctx, empty)
+        for task in (ours, theirs):  # warm up
+            await asyncio.gather(*(task(k) for k in range(64)))
+        a: list[float] = []
+        b: list[float] = []
+        for i in range(pairs):
+            if i % 2 == 0:
+                a.append(await rate(ours))
+                b.append(await rate(theirs))
+            else:
+                b.append(await rate(theirs))
+                a.append(await rate(ours))
+        bridge.check()
+        return a, b
+
+    with _harness.GcRecorder() as rec:
+        a, b = asyncio.run(run())
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    return {
+        "asyncgpu_median_ops_per_s": statistics.median(a),
+        "hostfunc_median_ops_per_s": statistics.median(b),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "asyncgpu_ops_per_s_rounds": a,
+        "hostfunc_ops_per_s_rounds": b,
+        "ratio_rounds": ratios,
+        "pairs": pairs,
+        **rec.metrics(),
+    }
+
+
 async def _task_burst_ms(n: int) -> float:
     """Milliseconds of the loop iteration in which ``n`` new tasks take their
     first step, each awaiting an asyncio future that a later iteration resolves:

@@ -917,30 +917,41 @@ async def _run_task_rounds(task: Callable[[int], Any], gpu: Gpu, p: Params) -> d
     }
 
 
+def hostfunc_awaits(
+    f: Any, streams: Sequence[Any], ops_per_task: int, bridge: HostFnBridge
+) -> Callable[[int], Any]:
+    """The host-callback strategy's task (call it on the running loop): task ``i``
+    awaits ``ops_per_task`` launches of ``f`` on ``streams[i % len(streams)]``,
+    each resolved by a ``cuLaunchHostFunc`` that calls ``call_soon_threadsafe``.
+    (Also asyncgpu's paired throughput rounds, ``bench_engine.throughput_paired``.)"""
+    launch, hostfunc = _require_driver().cuLaunchKernel, drv.cuLaunchHostFunc
+    hfn = bridge.fn
+    loop = asyncio.get_running_loop()
+    threadsafe = loop.call_soon_threadsafe
+
+    async def task(i: int) -> None:
+        s = streams[i % len(streams)]
+        for _ in range(ops_per_task):
+            fut = loop.create_future()
+            token = bridge.add(functools.partial(threadsafe, _resolve, fut))
+            (err,) = launch(f, 1, 1, 1, 1, 1, 1, 0, s, 0, 0)
+            if err:
+                _fail("cuLaunchKernel", err)
+            (err,) = hostfunc(s, hfn, token)
+            if err:
+                _fail("cuLaunchHostFunc", err)
+            await fut
+
+    return task
+
+
 def tp_hostfunc_asyncio(gpu: Gpu, p: Params) -> dict[str, float]:
     """1000 tasks x 10 awaited empty launches on 8 streams; host callback strategy."""
     f, streams = gpu.fn["empty"], gpu.streams[: p.streams]
-    launch, hostfunc = drv.cuLaunchKernel, drv.cuLaunchHostFunc
     bridge = HostFnBridge()
-    hfn = bridge.fn
 
     async def main() -> dict[str, float]:
-        loop = asyncio.get_running_loop()
-        threadsafe = loop.call_soon_threadsafe
-
-        async def task(i: int) -> None:
-            s = streams[i % len(streams)]
-            for _ in range(p.ops_per_task):
-                fut = loop.create_future()
-                token = bridge.add(functools.partial(threadsafe, _resolve, fut))
-                (err,) = launch(f, 1, 1, 1, 1, 1, 1, 0, s, 0, 0)
-                if err:
-                    _fail("cuLaunchKernel", err)
-                (err,) = hostfunc(s, hfn, token)
-                if err:
-                    _fail("cuLaunchHostFunc", err)
-                await fut
-
+        task = hostfunc_awaits(f, streams, p.ops_per_task, bridge)
         return await _run_task_rounds(task, gpu, p)
 
     try:

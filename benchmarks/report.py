@@ -109,6 +109,22 @@ def render(doc: dict[str, Any]) -> str:
         f"| `run_in_executor(cuEventSynchronize)` | "
         f"{_f(_m(res, 'tp_executor_event_sync', 'median_ops_per_s'), '{:,.0f}')} |",
         "",
+        *(
+            [
+                "Paired rounds (the same streams, kernel and loop, asyncgpu and the host "
+                "callbacks alternating, the collector on for both): asyncgpu "
+                f"{_f(_m(res, 'engine_throughput_paired', 'asyncgpu_median_ops_per_s'), '{:,.0f}')}"
+                ", host callbacks "
+                f"{_f(_m(res, 'engine_throughput_paired', 'hostfunc_median_ops_per_s'), '{:,.0f}')}"
+                " awaited ops/s; the median pair's ratio "
+                f"{_f(_m(res, 'engine_throughput_paired', 'ratio_median'), '{:.2f}')}x (pairs "
+                f"{_f(_m(res, 'engine_throughput_paired', 'ratio_min'), '{:.2f}')}x to "
+                f"{_f(_m(res, 'engine_throughput_paired', 'ratio_max'), '{:.2f}')}x).",
+                "",
+            ]
+            if _m(res, "engine_throughput_paired", "ratio_median") is not None
+            else []
+        ),
         f"Ticker lag during the asyncgpu run: p50 "
         f"{_f(_m(res, 'engine_throughput', 'ticker_lag_p50_ms'), '{:.2f}')} ms, p99 "
         f"{_f(_m(res, 'engine_throughput', 'ticker_lag_p99_ms'), '{:.2f}')} ms. CPU while one "

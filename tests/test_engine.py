@@ -170,6 +170,20 @@ async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
 
 
 @pytest.mark.asyncio
+async def test_a_cancelled_await_in_a_wake_batch_leaves_the_rest_of_the_batch_woken() -> None:
+    """A task cancelled while its await waits in the reactor's queue of finished
+    work: its future is cancelled, and the batch it is in still wakes the others."""
+    loop = asyncio.get_running_loop()
+    reactor = _engine._Reactor(loop)
+    futs = [loop.create_future() for _ in range(3)]
+    futs[1].cancel()  # what cancelling its task does
+    reactor.deferred.extend(futs)
+    reactor._wake_some()
+    assert futs[0].result() is None and futs[2].result() is None
+    assert futs[1].cancelled() and not reactor.deferred
+
+
+@pytest.mark.asyncio
 async def test_work_that_finishes_while_the_reactor_checks_for_faults_still_wakes_its_awaiter() -> (
     None
 ):
