@@ -102,6 +102,14 @@ def render(doc: dict[str, Any]) -> str:
             if _m(res, "engine_throughput_event_markers", "ops_per_s") is not None
             else []
         ),
+        *(
+            [
+                "| asyncgpu, every finished await woken in each loop iteration | "
+                f"{_f(_m(res, 'engine_throughput_uncapped_wakes', 'ops_per_s'), '{:,.0f}')} |"
+            ]
+            if _m(res, "engine_throughput_uncapped_wakes", "ops_per_s") is not None
+            else []
+        ),
         f"| host callbacks into asyncio | "
         f"{_f(_m(res, 'tp_hostfunc_asyncio', 'median_ops_per_s'), '{:,.0f}')} |",
         f"| `cuEventQuery` polling with `asyncio.sleep(0)` | "
