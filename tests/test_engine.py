@@ -184,6 +184,46 @@ async def test_a_cancelled_await_in_a_wake_batch_leaves_the_rest_of_the_batch_wo
 
 
 @pytest.mark.asyncio
+async def test_cancelled_awaits_among_many_leave_the_other_awaits_and_every_event_whole() -> None:
+    """Two hundred tasks await operations on four streams, and every fifth task
+    is cancelled while its await is pending. The device then finishes three
+    operations per stream per loop iteration. Every other task wakes, in its
+    stream's order; the cancelled tasks' events still complete and await again
+    at once; and the reactor ends with nothing pending."""
+    streams = [RecordingStream() for _ in range(4)]
+    events = [streams[i % 4].submit() for i in range(200)]
+    woke: list[int] = []
+
+    async def wait(i: int) -> None:
+        await events[i]
+        woke.append(i)
+
+    tasks = [asyncio.create_task(wait(i)) for i in range(200)]
+    await asyncio.sleep(0)  # each task has run its first step: all 200 are awaiting
+    reactor = reactor_for(asyncio.get_running_loop())
+    assert sum(len(awaits) for awaits in reactor.pending.values()) == 200
+    for t in tasks[::5]:
+        t.cancel()
+    while any(s.done < s._seq for s in streams):  # the device, a few operations at a time
+        for s in streams:
+            s.done = min(s._seq, s.done + 3)
+        await asyncio.sleep(0)
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+    cancelled = [i for i, r in enumerate(results) if isinstance(r, asyncio.CancelledError)]
+    assert cancelled == list(range(0, 200, 5))
+    assert sorted(woke) == [i for i in range(200) if i % 5]
+    for k in range(4):
+        on_stream = [i for i in woke if i % 4 == k]
+        assert on_stream == sorted(on_stream)
+    await asyncio.wait_for(asyncio.gather(*events), 10)  # the cancelled tasks' events too
+    for _ in range(100):  # the reactor's last steps skip the cancelled futures, then it ends
+        if reactor.task is None:
+            break
+        await asyncio.sleep(0)
+    assert reactor.task is None and not reactor.pending and not reactor.deferred
+
+
+@pytest.mark.asyncio
 async def test_work_that_finishes_while_the_reactor_checks_for_faults_still_wakes_its_awaiter() -> (
     None
 ):
