@@ -264,3 +264,24 @@ def test_the_engine_emulation_runs_on_a_stand_in_driver(tmp_path):
     for key in ("launch_4args_us", "launch_and_await_us", "throughput_ops_per_s"):
         assert figures[key] > 0
     assert figures["cpu_function_chain_us_per_step"] > 0
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+def test_the_instruction_count_workload_runs_without_valgrind() -> None:
+    """``benchmarks/callgrind_await.py`` runs its workload (1,000 tasks awaiting
+    launches on the stand-in driver) under callgrind; the workload alone runs
+    anywhere the C extension is built and every await of it completes."""
+    from asyncgpu import _accel
+
+    if _accel.native is None:
+        pytest.skip("the C extension is not built, or ASYNCGPU_NATIVE=0")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "callgrind_await.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--workload", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,  # a hung await fails the test here
+    )
+    assert done.returncode == 0, done.stderr
