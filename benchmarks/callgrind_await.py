@@ -33,7 +33,7 @@ STREAMS = 8
 
 
 def _workload(per_task: int) -> None:
-    """The emulated throughput case, as ``emulate_engine.py`` runs it."""
+    """The emulated throughput case (``emulate_engine.throughput``), no warm-up."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import emulate_engine as em
 
@@ -47,27 +47,7 @@ def _workload(per_task: int) -> None:
         em.bind(em.stub_driver(tmp), deferred=True)
         streams = [em.stream(i) for i in range(STREAMS)]
         g = em.kernel(streams, (), b"")
-
-        async def run() -> None:
-            stop = False
-
-            async def gpu() -> None:
-                while not stop:
-                    for s in streams:
-                        s._counter.value = s._issued_mark
-                    await asyncio.sleep(0)
-
-            async def worker(k: int) -> None:
-                s = streams[k % STREAMS]
-                for _ in range(per_task):
-                    await s.launch(g, (), g, ())
-
-            d = asyncio.create_task(gpu())
-            await asyncio.gather(*(worker(k) for k in range(TASKS)))
-            stop = True
-            await d
-
-        asyncio.run(run())
+        asyncio.run(em.throughput(streams, g, TASKS, per_task, warm_up=0))
 
 
 def _main_thread_instructions(per_task: int, workdir: str) -> int:
