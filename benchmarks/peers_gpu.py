@@ -641,26 +641,11 @@ def rt_hostfunc_threading_event(gpu: Gpu, p: Params) -> dict[str, float]:
 def rt_hostfunc_asyncio(gpu: Gpu, p: Params) -> dict[str, float]:
     """8. ``cuLaunchHostFunc`` -> ``loop.call_soon_threadsafe`` -> ``await`` a future."""
     f, s = gpu.fn["empty"], gpu.stream
-    launch, hostfunc = drv.cuLaunchKernel, drv.cuLaunchHostFunc
     bridge = HostFnBridge()
-    hfn = bridge.fn
 
     async def main() -> list[int]:
-        loop = asyncio.get_running_loop()
-        threadsafe = loop.call_soon_threadsafe
-
-        async def once() -> None:
-            fut = loop.create_future()
-            token = bridge.add(functools.partial(threadsafe, _resolve, fut))
-            (err,) = launch(f, 1, 1, 1, 1, 1, 1, 0, s, 0, 0)
-            if err:
-                _fail("cuLaunchKernel", err)
-            (err,) = hostfunc(s, hfn, token)
-            if err:
-                _fail("cuLaunchHostFunc", err)
-            await fut
-
-        return await H.time_calls_async(once, p.repeats, p.warmup)
+        once = hostfunc_awaits(f, [s], 1, bridge)  # one awaited launch per call
+        return await H.time_calls_async(lambda: once(0), p.repeats, p.warmup)
 
     try:
         res = H.summarize_ns(H.run_async(main, p.async_timeout_s))
