@@ -1031,10 +1031,12 @@ typedef struct {
         *marks_popleft;
     /* one-entry caches of the launch path (a kernel launched again and again):
      * the last function's handle, the last plan's types and codes, the last
-     * parameter memory's addresses, the last launch configuration's dimensions
+     * plan's parameter memory (mem_of, found in param_mem for mem_plan; an entry
+     * of param_mem never changes once made) and its addresses, the last launch
+     * configuration's dimensions
      * (cfg_dims, valid when cfg_of is set). Each holds the object it was read from, so
      * the identity test is sound; what is read never changes after __init__. */
-    PyObject *fn_of, *plan_of, *plan_types, *plan_codes, *mem_of, *cfg_of;
+    PyObject *fn_of, *plan_of, *plan_types, *plan_codes, *mem_plan, *mem_of, *cfg_of;
     /* the device buffers the stream keeps (a SpareCore; NULL or None: none) */
     PyObject *spare;
     unsigned long long fn_handle, mem_addr, mem_ptrs, cfg_dims[7];
@@ -1108,6 +1110,7 @@ static int stream_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(s->plan_of);
     Py_VISIT(s->plan_types);
     Py_VISIT(s->plan_codes);
+    Py_VISIT(s->mem_plan);
     Py_VISIT(s->mem_of);
     Py_VISIT(s->cfg_of);
     Py_VISIT(s->spare);
@@ -1144,6 +1147,7 @@ static int stream_clear(PyObject *self) {
     Py_CLEAR(s->plan_of);
     Py_CLEAR(s->plan_types);
     Py_CLEAR(s->plan_codes);
+    Py_CLEAR(s->mem_plan);
     Py_CLEAR(s->mem_of);
     Py_CLEAR(s->cfg_of);
     Py_CLEAR(s->spare);
@@ -1680,29 +1684,31 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
         return NULL;
     if (!is_none(s->pending))
         Py_RETURN_NONE; /* the marker above was held (another thread held the stream) */
-    mem = PyDict_GetItemWithError(s->param_mem, plan); /* borrowed */
-    if (mem == NULL) {
-        if (PyErr_Occurred())
-            return NULL;
-        Py_RETURN_NONE; /* the general path makes the plan's parameter memory */
-    }
-    Py_INCREF(mem);
-    if (mem == s->mem_of) {
+    if (plan == s->mem_plan) {
         addr = s->mem_addr;
         ptrs = s->mem_ptrs;
         rc = 0;
     } else {
-        rc = nargs ? param_addrs(mem, &addr, &ptrs) : 0;
-        if (rc == 0 && nargs) {
+        mem = PyDict_GetItemWithError(s->param_mem, plan); /* borrowed */
+        if (mem == NULL) {
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_NONE; /* the general path makes the plan's parameter memory */
+        }
+        Py_INCREF(mem);
+        rc = param_addrs(mem, &addr, &ptrs);
+        if (rc == 0) {
+            Py_INCREF(plan);
+            replace_ref(&s->mem_plan, plan);
             Py_INCREF(mem);
-            replace_ref(&s->mem_of, mem);
+            replace_ref(&s->mem_of, mem); /* keeps the addresses valid */
             s->mem_addr = addr;
             s->mem_ptrs = ptrs;
         }
+        Py_DECREF(mem);
     }
-    if (rc == 0)
+    if (rc == 0 && nargs)
         rc = pack_args(codes, argt, addr, open_state);
-    Py_DECREF(mem);
     if (rc)
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     seq = s->seq + 1;
