@@ -548,6 +548,8 @@ class CudaStream(_PolledStream):
         # In C where the extension is built (the counter read there), else the above.
         self._completed = getattr(self, "_completed_fast", self._completed_slow)  # type: ignore[method-assign]
         self._host_ops = 0
+        # Per plan, the memory its launches pack into. An entry is made once and
+        # never replaced: the extension's launch keeps the last one it found.
         self._param_mem: dict[_ArgPlan, _ParamMemory] = {}
         if _native is not None:
             self._write_marker: Callable[[int], Any] = partial(_native.write64, self.h, self.caddr)
