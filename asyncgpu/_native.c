@@ -1014,6 +1014,170 @@ static int unhold(Held *h) {
 }
 
 /* ---------------------------------------------------------------------------------
+ * EventQueue: a polled stream's events in flight, oldest first (its _inflight).
+ * A ring of references with the operations of collections.deque that the streams
+ * use: append, popleft, clear, len(q), q[i] (a negative i counts from the end),
+ * iteration (through q[i]) and truth. The launch and the retire below reach the
+ * ring directly, without a method call; everything else goes through these
+ * methods. No method runs Python code between looking and changing (clear drops
+ * its references only once the ring is empty), so under the GIL each one is
+ * atomic, as the deque's are.
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject **ring;          /* cap slots (NULL while cap is 0) */
+    Py_ssize_t cap, head, len; /* cap: 0 or a power of two */
+} EventQueue;
+
+static PyTypeObject *event_queue_type = NULL;
+#define QUEUE_FIRST_CAP 16
+#define QUEUE_SHRINK_ABOVE 4096 /* a ring this large shrinks once it is 1/8 full */
+
+static int is_queue(PyObject *o) { return o != NULL && Py_TYPE(o) == event_queue_type; }
+
+/* The item i places from the oldest (borrowed; 0 <= i < len). */
+static PyObject *queue_at(EventQueue *q, Py_ssize_t i) {
+    return q->ring[(q->head + i) & (q->cap - 1)];
+}
+
+/* Move the items into a new ring of cap slots (cap >= len). */
+static int queue_resize(EventQueue *q, Py_ssize_t cap) {
+    PyObject **ring;
+    Py_ssize_t i;
+    if ((size_t)cap > PY_SSIZE_T_MAX / sizeof(PyObject *)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ring = (PyObject **)PyMem_Malloc((size_t)cap * sizeof(PyObject *));
+    if (ring == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (i = 0; i < q->len; i++)
+        ring[i] = queue_at(q, i);
+    PyMem_Free(q->ring);
+    q->ring = ring;
+    q->cap = cap;
+    q->head = 0;
+    return 0;
+}
+
+/* Append o (the queue takes a new reference); -1 with MemoryError. */
+static int queue_push(EventQueue *q, PyObject *o) {
+    if (q->len == q->cap && queue_resize(q, q->cap ? q->cap * 2 : QUEUE_FIRST_CAP))
+        return -1;
+    Py_INCREF(o);
+    q->ring[(q->head + q->len) & (q->cap - 1)] = o;
+    q->len++;
+    return 0;
+}
+
+/* Take the oldest item off (the queue's reference, now the caller's), or NULL
+ * when the queue is empty (no exception set). */
+static PyObject *queue_pop(EventQueue *q) {
+    PyObject *o;
+    if (q->len == 0)
+        return NULL;
+    o = q->ring[q->head];
+    q->ring[q->head] = NULL;
+    q->head = (q->head + 1) & (q->cap - 1);
+    q->len--;
+    if (q->cap > QUEUE_SHRINK_ABOVE && q->len < q->cap / 8 && queue_resize(q, q->cap / 2))
+        PyErr_Clear(); /* no memory for a smaller ring: keep the large one */
+    return o;
+}
+
+/* Empty the queue, then drop its references (which may run any code: the
+ * queue is already consistent, and empty, by then). */
+static int queue_clear(PyObject *self) {
+    EventQueue *q = (EventQueue *)self;
+    PyObject **ring = q->ring;
+    Py_ssize_t i, head = q->head, len = q->len, cap = q->cap;
+    q->ring = NULL;
+    q->cap = q->head = q->len = 0;
+    for (i = 0; i < len; i++)
+        Py_DECREF(ring[(head + i) & (cap - 1)]);
+    PyMem_Free(ring);
+    return 0;
+}
+
+static int queue_traverse(PyObject *self, visitproc visit, void *arg) {
+    EventQueue *q = (EventQueue *)self;
+    Py_ssize_t i;
+    Py_VISIT(Py_TYPE(self));
+    for (i = 0; i < q->len; i++)
+        Py_VISIT(queue_at(q, i));
+    return 0;
+}
+
+static void queue_dealloc(PyObject *self) { dealloc_core(self, queue_clear); }
+
+static Py_ssize_t queue_length(PyObject *self) { return ((EventQueue *)self)->len; }
+
+/* q[i]: sequence indexing has already added len(q) to a negative i. */
+static PyObject *queue_item(PyObject *self, Py_ssize_t i) {
+    EventQueue *q = (EventQueue *)self;
+    PyObject *o;
+    if (i < 0 || i >= q->len) {
+        PyErr_SetString(PyExc_IndexError, "EventQueue index out of range");
+        return NULL;
+    }
+    o = queue_at(q, i);
+    Py_INCREF(o);
+    return o;
+}
+
+static PyObject *queue_append_method(PyObject *self, PyObject *o) {
+    if (queue_push((EventQueue *)self, o))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_popleft_method(PyObject *self, PyObject *unused) {
+    PyObject *o = queue_pop((EventQueue *)self);
+    if (o == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_IndexError, "pop from an empty EventQueue");
+    return o;
+}
+
+static PyObject *queue_clear_method(PyObject *self, PyObject *unused) {
+    queue_clear(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_repr(PyObject *self) {
+    return PyUnicode_FromFormat("<asyncgpu EventQueue of %zd>", ((EventQueue *)self)->len);
+}
+
+static PyMethodDef queue_methods[] = {
+    {"append", queue_append_method, METH_O, "append(ev): add ev at the end (the newest)."},
+    {"popleft", queue_popleft_method, METH_NOARGS,
+     "popleft() -> the oldest item, taken off; IndexError when empty."},
+    {"clear", queue_clear_method, METH_NOARGS, "clear(): drop every item."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot queue_slots[] = {
+    {Py_tp_new, (void *)PyType_GenericNew},
+    {Py_tp_methods, queue_methods},
+    {Py_tp_traverse, (void *)queue_traverse},
+    {Py_tp_clear, (void *)queue_clear},
+    {Py_tp_dealloc, (void *)queue_dealloc},
+    {Py_tp_repr, (void *)queue_repr},
+    {Py_sq_length, (void *)queue_length},
+    {Py_sq_item, (void *)queue_item},
+    {Py_tp_doc, "EventQueue(): the events of a polled stream in flight, oldest first (the "
+                "deque operations its streams use: append, popleft, clear, len, q[i], "
+                "iteration), which the extension's launch and retire reach directly."},
+    {0, NULL},
+};
+
+static PyType_Spec queue_spec = {
+    "asyncgpu._native.EventQueue", sizeof(EventQueue), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, queue_slots,
+};
+
+/* ---------------------------------------------------------------------------------
  * StreamCore: the bookkeeping fields of a polled stream (_PolledStream and
  * CudaStream subclass it), which the launch below reads and writes directly.
  */
@@ -1022,7 +1186,8 @@ typedef struct {
     PyObject_HEAD
     PyObject *inflight, *pending, *submit_lock, *param_mem, *events, *copy_marks, *retire_lock;
     /* cached: the bound acquire/release of submit_lock and retire_lock, the
-     * append and popleft of inflight */
+     * append and popleft of inflight (when it is not an EventQueue, which the
+     * launch and the retire reach directly) */
     PyObject *lock_of, *acquire, *release, *deque_of, *append;
     PyObject *rlock_of, *racquire, *rrelease, *popdeque_of, *popleft;
     /* event markers: _marker_lock (cached acquire/release), _free_events, and
@@ -1244,11 +1409,32 @@ static int call0(PyObject *fn) {
     return 0;
 }
 
-/* The event at index i of the in-flight deque (a new reference), or NULL. */
+/* How many events are in flight, or -1 with an exception. */
+static Py_ssize_t inflight_len(StreamCore *s) {
+    if (is_queue(s->inflight))
+        return ((EventQueue *)s->inflight)->len;
+    return PyObject_Size(s->inflight);
+}
+
+/* The event at index i of the in-flight queue (a new reference; a negative i
+ * counts from the end), or NULL. */
 static EventCore *inflight_at(StreamCore *s, Py_ssize_t i) {
-    PyObject *o = PySequence_GetItem(s->inflight, i);
-    if (o == NULL)
-        return NULL;
+    PyObject *o;
+    if (is_queue(s->inflight)) {
+        EventQueue *q = (EventQueue *)s->inflight;
+        if (i < 0)
+            i += q->len;
+        if (i < 0 || i >= q->len) {
+            PyErr_SetString(PyExc_IndexError, "EventQueue index out of range");
+            return NULL;
+        }
+        o = queue_at(q, i);
+        Py_INCREF(o);
+    } else {
+        o = PySequence_GetItem(s->inflight, i);
+        if (o == NULL)
+            return NULL;
+    }
     if (!is_a(o, event_core_type, event_core_seen)) {
         Py_DECREF(o);
         PyErr_SetString(PyExc_TypeError, "asyncgpu: a stream holds something not an event");
@@ -1259,7 +1445,7 @@ static EventCore *inflight_at(StreamCore *s, Py_ssize_t i) {
 
 /* _PolledStream._before_submit (the rules are documented there). */
 static int before_submit(StreamCore *s) {
-    Py_ssize_t n = PyObject_Size(s->inflight);
+    Py_ssize_t n = inflight_len(s);
     EventCore *tail;
     int held;
     if (n < 0)
@@ -1272,7 +1458,7 @@ static int before_submit(StreamCore *s) {
     tail = inflight_at(s, -1);
     if (tail == NULL)
         return -1;
-    held = Py_REFCNT((PyObject *)tail) > 2; /* more than the deque's and ours */
+    held = Py_REFCNT((PyObject *)tail) > 2; /* more than the queue's and ours */
     if (tail->seq > s->marked) {
         if (held || tail->seq - s->marked >= mark_every) {
             Py_DECREF(tail);
@@ -1513,23 +1699,25 @@ static int finish_retired(StreamCore *s, PyObject *o) {
 
 /* _PolledStream._retire: finish, in order, every event the markers have passed;
  * True when nothing is left in flight. Under _retire_lock the finished events are
- * taken off the deque; they are finished after it is released, each even when
- * finishing an earlier one raised (the first error is raised at the end). */
+ * taken off the in-flight queue (into a C array); they are finished after it is
+ * released, each even when finishing an earlier one raised (the first error is
+ * raised at the end). */
 static PyObject *stream_retire(PyObject *self, PyObject *unused) {
     StreamCore *s = (StreamCore *)self;
-    PyObject *done = NULL, *r;
+    PyObject *small[64], **done = small; /* the events taken off, oldest first */
     PyObject *et = NULL, *evv = NULL, *tb = NULL;
     Held rh;
     long long c;
-    Py_ssize_t n, i;
-    int empty = 0, failed = 0;
-    if (cache_methods(s->inflight, &s->popdeque_of, &s->popleft, NULL, s_popleft, NULL) ||
+    Py_ssize_t n, i, ndone = 0, room = 64;
+    int empty = 0, failed = 0, queue = is_queue(s->inflight);
+    if ((!queue && cache_methods(s->inflight, &s->popdeque_of, &s->popleft, NULL, s_popleft, NULL)) ||
         hold(s->retire_lock, &s->rlock_of, &s->racquire, &s->rrelease, &rh))
         return NULL;
-    if (completed(s, &c) == 0 && (done = PyList_New(0)) != NULL) {
+    if (completed(s, &c) == 0) {
         for (;;) {
             EventCore *head;
-            n = PyObject_Size(s->inflight);
+            PyObject *r;
+            n = inflight_len(s);
             if (n <= 0) {
                 empty = n == 0;
                 failed = n < 0;
@@ -1545,13 +1733,30 @@ static PyObject *stream_retire(PyObject *self, PyObject *unused) {
                 break;
             }
             Py_DECREF(head);
-            r = PyObject_CallNoArgs(s->popleft);
-            if (r == NULL || PyList_Append(done, r)) {
-                Py_XDECREF(r);
+            if (ndone == room) {
+                PyObject **more = (size_t)room > PY_SSIZE_T_MAX / (2 * sizeof(PyObject *))
+                                      ? NULL
+                                      : (PyObject **)PyMem_Malloc(2 * (size_t)room * sizeof(PyObject *));
+                if (more == NULL) {
+                    PyErr_NoMemory();
+                    failed = 1;
+                    break;
+                }
+                memcpy(more, done, (size_t)ndone * sizeof(PyObject *));
+                if (done != small)
+                    PyMem_Free(done);
+                done = more;
+                room *= 2;
+            }
+            /* the queue's head is there (n > 0): queue_pop cannot come back empty */
+            r = queue ? queue_pop((EventQueue *)s->inflight) : PyObject_CallNoArgs(s->popleft);
+            if (r == NULL) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_RuntimeError, "asyncgpu: the in-flight queue emptied");
                 failed = 1;
                 break;
             }
-            Py_DECREF(r);
+            done[ndone++] = r;
         }
     } else {
         failed = 1;
@@ -1563,18 +1768,18 @@ static PyObject *stream_retire(PyObject *self, PyObject *unused) {
             PyErr_Fetch(&et, &evv, &tb);
         failed = 1;
     }
-    if (done != NULL) {
-        n = PyList_Size(done);
-        for (i = 0; i < n; i++) {
-            if (finish_retired(s, PyList_GetItem(done, i)) && !failed) {
-                PyErr_Fetch(&et, &evv, &tb);
-                failed = 1;
-            } else if (PyErr_Occurred()) {
-                PyErr_Clear(); /* a later error: the first one is raised */
-            }
+    for (i = 0; i < ndone; i++) {
+        if (finish_retired(s, done[i]) && !failed) {
+            PyErr_Fetch(&et, &evv, &tb);
+            failed = 1;
+        } else if (PyErr_Occurred()) {
+            PyErr_Clear(); /* a later error: the first one is raised */
         }
-        Py_DECREF(done);
     }
+    for (i = 0; i < ndone; i++)
+        Py_DECREF(done[i]);
+    if (done != small)
+        PyMem_Free(done);
     if (failed) {
         PyErr_Restore(et, evv, tb);
         return NULL;
@@ -1618,7 +1823,7 @@ static PyObject *stream_poll(PyObject *self, PyObject *o) {
 /* CudaStream._prune: retire what the counter says has finished, and have the
  * watcher sweep the stream later. */
 static int prune(StreamCore *s) {
-    Py_ssize_t n = PyObject_Size(s->inflight);
+    Py_ssize_t n = inflight_len(s);
     if (n < 0)
         return -1;
     if (n > 0 && (is_none(s->events) || n >= 64)) {
@@ -1733,12 +1938,19 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
     ev = event_new_of(event_type, (PyObject *)s, seq, argt);
     if (ev == NULL)
         return NULL;
-    o = PyObject_CallFunctionObjArgs(s->append, ev, NULL);
-    if (o == NULL) {
-        Py_DECREF(ev);
-        return NULL;
+    if (is_queue(s->inflight)) {
+        if (queue_push((EventQueue *)s->inflight, ev)) {
+            Py_DECREF(ev);
+            return NULL;
+        }
+    } else {
+        o = PyObject_CallFunctionObjArgs(s->append, ev, NULL);
+        if (o == NULL) {
+            Py_DECREF(ev);
+            return NULL;
+        }
+        Py_DECREF(o);
     }
-    Py_DECREF(o);
     if (event_marker) {
         if (record_marker(s, seq)) {
             Py_DECREF(ev);
@@ -1760,7 +1972,7 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
  * the marker rules of _before_submit, the arguments checked against the plan
  * and packed into the stream's parameter memory for it, cuLaunchKernel (with
  * the counter marker when the stream is eager), the event appended to the
- * stream's in-flight deque; then _prune. None, with nothing launched, when the
+ * stream's in-flight queue; then _prune. None, with nothing launched, when the
  * general path must take the launch: the stream is held, the plan has no
  * parameter memory on this stream yet, or an argument is not the plan's type
  * or cannot be used (the general path raises the precise error).
@@ -1804,7 +2016,8 @@ static PyObject *launch_fast(StreamCore *s, unsigned long long func,
         Py_DECREF(codes);
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     }
-    if (cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL) ||
+    if ((!is_queue(s->inflight) &&
+         cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL)) ||
         hold(s->submit_lock, &s->lock_of, &s->acquire, &s->release, &sh)) {
         Py_DECREF(codes);
         return NULL;
@@ -2182,6 +2395,9 @@ static PyTypeObject *device_buffer_type = NULL, *device_alloc_type = NULL,
                     *function_type = NULL, *cuda_stream_type = NULL, *np_dtype_type = NULL;
 static PyObject *as_dtype_fn = NULL;
 static PyObject *dtype_cache = NULL; /* {dtype argument: (dtype, itemsize)} */
+/* the last hit of dtype_cache: the argument object and its entry (a dtype
+ * argument passed again and again is found without hashing) */
+static PyObject *dtype_last_key = NULL, *dtype_last_entry = NULL;
 static int exiting = 0;              /* the interpreter is exiting (set_exiting()) */
 #define DTYPE_CACHE_MAX 256
 static PyObject *s_release_memory, *s_open, *s_trace, *s_grid_dim, *s_block_dim,
@@ -2199,18 +2415,19 @@ static void buffer_finalize(PyObject *self) {
     PyObject *et, *ev, *tb, *r;
     if (!b->owns || is_none(b->alloc))
         return;
-    PyErr_Fetch(&et, &ev, &tb);
     if (!exiting && device_alloc_type != NULL && Py_TYPE(b->alloc) == device_alloc_type &&
         b->nbytes > 0 && b->owner != NULL && is_a(b->owner, stream_core_type, stream_core_seen)) {
         PyObject *sp = ((StreamCore *)b->owner)->spare;
-        if (sp != NULL && is_a(sp, spare_core_type, spare_core_seen)) {
-            if (spare_keep((SpareCore *)sp, b->alloc, b->nbytes, b->ptr)) {
-                Py_CLEAR(b->alloc);
-                PyErr_Restore(et, ev, tb);
-                return;
-            }
+        /* (spare_keep sets no exception and runs no Python code; the buffer
+         * keeps its reference to the allocation until the Py_CLEAR, whose
+         * decref cannot free it: the stream's kept buffers hold it now) */
+        if (sp != NULL && is_a(sp, spare_core_type, spare_core_seen) &&
+            spare_keep((SpareCore *)sp, b->alloc, b->nbytes, b->ptr)) {
+            Py_CLEAR(b->alloc);
+            return;
         }
     }
+    PyErr_Fetch(&et, &ev, &tb);
     r = PyObject_CallMethodObjArgs(self, s_release_memory, NULL);
     if (r == NULL)
         PyErr_WriteUnraisable(self);
@@ -2610,7 +2827,10 @@ static PyObject *context_enqueue_function(PyObject *self, PyObject *const *args,
  * what as_dtype made of types and strings; a NumPy dtype stands for itself. */
 static PyObject *cached_dtype(PyObject *key) {
     PyObject *entry, *dt, *size;
-    int is_dtype = np_dtype_type != NULL && PyObject_TypeCheck(key, np_dtype_type);
+    int is_dtype;
+    if (key == dtype_last_key && key != NULL)
+        return dtype_last_entry; /* the same object as the last call's */
+    is_dtype = np_dtype_type != NULL && PyObject_TypeCheck(key, np_dtype_type);
     if (dtype_cache == NULL || as_dtype_fn == NULL ||
         !(is_dtype || PyType_Check(key) || PyUnicode_CheckExact(key)))
         return NULL;
@@ -2619,6 +2839,10 @@ static PyObject *cached_dtype(PyObject *key) {
         /* equal dtypes may differ (metadata): only the same object is a hit */
         if (is_dtype && PyTuple_GetItem(entry, 0) != key)
             return NULL;
+        Py_INCREF(key);
+        replace_ref(&dtype_last_key, key);
+        Py_INCREF(entry);
+        replace_ref(&dtype_last_entry, entry);
         return entry;
     }
     if (PyErr_Occurred() || PyDict_Size(dtype_cache) >= DTYPE_CACHE_MAX)
@@ -2824,6 +3048,8 @@ static PyObject *configure_buffers(PyObject *self, PyObject *const *args, Py_ssi
     Py_INCREF(args[2]);
     replace_ref(&as_dtype_fn, args[2]);
     PyDict_Clear(dtype_cache);
+    Py_CLEAR(dtype_last_key);
+    Py_CLEAR(dtype_last_entry);
     Py_RETURN_NONE;
 }
 
@@ -2989,6 +3215,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     kernel_core_type = (PyTypeObject *)PyType_FromSpec(&kernel_spec);
     if (kernel_core_type == NULL)
         return NULL;
+    event_queue_type = (PyTypeObject *)PyType_FromSpec(&queue_spec);
+    if (event_queue_type == NULL)
+        return NULL;
     m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
@@ -3002,6 +3231,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(state_core_type);
     Py_INCREF(ref_core_type);
     Py_INCREF(kernel_core_type);
+    Py_INCREF(event_queue_type);
     if (PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0 ||
         PyModule_AddObject(m, "EventCore", (PyObject *)event_core_type) < 0 ||
         PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0 ||
@@ -3012,7 +3242,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddObject(m, "RLock", (PyObject *)rlock_type) < 0 ||
         PyModule_AddObject(m, "StateCore", (PyObject *)state_core_type) < 0 ||
         PyModule_AddObject(m, "RefCore", (PyObject *)ref_core_type) < 0 ||
-        PyModule_AddObject(m, "KernelCore", (PyObject *)kernel_core_type) < 0) {
+        PyModule_AddObject(m, "KernelCore", (PyObject *)kernel_core_type) < 0 ||
+        PyModule_AddObject(m, "EventQueue", (PyObject *)event_queue_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -44,14 +44,26 @@ __all__ = ["DeviceStream"]
 _getrefcount = sys.getrefcount
 
 
+# A polled stream's events in flight, oldest first: the extension's EventQueue
+# (a ring with the deque operations the streams use, which its launch and retire
+# reach without a method call) where it is built, else a deque.
+_new_inflight: Callable[[], deque[DeviceEvent]] = deque if native is None else native.EventQueue
+
+
 def _tail_refs(d: deque[Any]) -> int:
     tail = d[-1]
     return _getrefcount(tail)
 
 
+def _base_refs() -> int:
+    q: deque[Any] = _new_inflight()
+    q.append(object())
+    return _tail_refs(q)
+
+
 # References to a stream's last event that asyncgpu itself holds inside
-# _before_submit (the in-flight deque, the local name, getrefcount's argument).
-_BASE_REFS = _tail_refs(deque([object()]))
+# _before_submit (the in-flight queue, the local name, getrefcount's argument).
+_BASE_REFS = _base_refs()
 
 
 class _HostResult:
@@ -299,7 +311,7 @@ class _PolledStream(_StreamImpl, _StreamBase):
         self._awaited = 0  # highest sequence number awaited or called back
         self._eager = False  # place a marker after every operation
         self._touched = False  # submitted to since the watcher's last sweep
-        self._inflight: deque[DeviceEvent] = deque()
+        self._inflight: deque[DeviceEvent] = _new_inflight()
         # Re-entrant: interop helpers submit under a caller's hold of it. (Both
         # are the extension's RLock where it is built: its C code takes them.)
         self._submit_lock = hot_lock()

@@ -41,6 +41,8 @@ export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 ASYNCGPU_CACHE_DIR=/tmp/asyncgpu-
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "git: $(git rev-parse HEAD 2>/dev/null || echo unknown) $(git status --porcelain 2>/dev/null | wc -l) uncommitted"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  # the host's processor: host-side figures (Python, the driver's host cost) follow it
+  echo "cpu: $(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores usable, load $(cut -d' ' -f1-3 /proc/loadavg)"
   python3 -c 'import sys, numpy, cuda.bindings, cuda.core; print(sys.version); print("numpy", numpy.__version__, "cuda-bindings", cuda.bindings.__version__, "cuda-core", cuda.core.__version__)'
   python3 -m pytest --version
 } > "$OUT/env.txt" 2>&1

@@ -168,9 +168,16 @@ def kernel(streams: list[Any], args: tuple[Any, ...], codes: bytes) -> Any:
     plan.codes = codes
     for s in streams:
         s._param_mem[plan] = _cuda._ParamMemory(8 * len(args))
-    f = SimpleNamespace(last=plan, handle=0xF00, dims=DIMS)
-    f._impl = f
+    f = _StubKernel()
+    f.last, f.handle, f.dims, f._impl = plan, 0xF00, DIMS, f
     return f
+
+
+class _StubKernel(_cuda._KernelBase):
+    """A stand-in for ``_CudaFunction``: its ``last`` plan in the extension's
+    ``KernelCore``, as the launch reads it, and the handle and dimensions."""
+
+    __slots__ = ("_impl", "dims", "handle")
 
 
 async def throughput(

@@ -269,17 +269,19 @@ def test_the_engine_emulation_runs_on_a_stand_in_driver(tmp_path):
 @pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
 )
-def test_the_instruction_count_workload_runs_without_valgrind() -> None:
-    """``benchmarks/callgrind_await.py`` runs its workload (1,000 tasks awaiting
-    launches on the stand-in driver) under callgrind; the workload alone runs
-    anywhere the C extension is built and every await of it completes."""
+@pytest.mark.parametrize("case", ["await", "launch", "launch4", "create"])
+def test_the_instruction_count_workloads_run_without_valgrind(case: str) -> None:
+    """``benchmarks/callgrind_paths.py`` runs its workloads (1,000 tasks awaiting
+    launches, launches, kept buffers created and dropped, on the stand-in
+    driver) under callgrind; each runs alone anywhere the C extension is built,
+    and every await of it completes."""
     from asyncgpu import _accel
 
     if _accel.native is None:
         pytest.skip("the C extension is not built, or ASYNCGPU_NATIVE=0")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "callgrind_await.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "callgrind_paths.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--workload", "2"],
+        [sys.executable, str(script), "--workload", case, "2"],
         capture_output=True,
         text=True,
         timeout=120,  # a hung await fails the test here

@@ -56,14 +56,17 @@ class _Function:
 
 
 class Stream:
-    """A CudaStream on the stand-in driver, its counter in ordinary memory."""
+    """A CudaStream on the stand-in driver, its counter in ordinary memory, its
+    events in flight in ``queue`` (the extension's EventQueue, which the C code
+    reaches directly, as a real stream's, or a deque, which it reaches through
+    its methods)."""
 
-    def __init__(self, sweeps: list[Any]) -> None:
+    def __init__(self, sweeps: list[Any], queue: Any = None) -> None:
         s = self.s = cuda.CudaStream.__new__(cuda.CudaStream)
         s._seq = s._marked = s._awaited = s._issued_mark = s._counter_mark = s._done_seq = 0
         s._eager = s._after_copy = False
         s._touched = False
-        s._inflight = deque()
+        s._inflight = _native.EventQueue() if queue is None else queue
         s._pending = None
         s._events = None
         s._copy_marks = deque()
@@ -104,12 +107,12 @@ def driver() -> Iterator[Driver]:
         yield d
 
 
-@pytest.fixture
-def stream(driver: Driver) -> Iterator[Stream]:
+@pytest.fixture(params=["EventQueue", "deque"])
+def stream(driver: Driver, request: pytest.FixtureRequest) -> Iterator[Stream]:
     sweeps: list[Any] = []
     _native.configure(DeviceEvent, sweeps.append, 32)
     try:
-        yield Stream(sweeps)
+        yield Stream(sweeps, _native.EventQueue() if request.param == "EventQueue" else deque())
     finally:
         from asyncgpu._engine import watcher
 
@@ -621,7 +624,7 @@ def test_a_user_event_recorded_again_elsewhere_leaves_the_first_stream_retiring(
     and B's retirement stopped there for good: later awaits on B hung)."""
     from asyncgpu._event import _UserEvent
 
-    a, b = stream, Stream(stream.sweeps)
+    a, b = stream, Stream(stream.sweeps, type(stream.s._inflight)())
     a.s.owned = b.s.owned = True
     plan_a, plan_b = a.plan(ARGS, CODES), b.plan(ARGS, CODES)
     for _ in range(10):
