@@ -1109,6 +1109,19 @@ class DeviceContext(_ContextBase):
         return hash((id(self._state), id(self._impl)))
 
 
+_SCALAR_SAMPLES = (
+    np.float32(-1.2345678),
+    np.float64(-1.2345678901234567e-300),
+    np.int8(-101),
+    np.int16(-12345),
+    np.int32(-1234567891),
+    np.int64(-1234567890123456789),
+    np.uint8(0xA5),
+    np.uint16(0xA5C3),
+    np.uint32(0xA5C3E1F7),
+    np.uint64(0xA5C3E1F7_1B2D4F69),
+)
+
 # The hot paths in C where the extension is built (``ContextCore``): its
 # ``enqueue_function`` launches a compiled function of this context with a
 # geometry seen before, untraced, in one C call down to ``cuLaunchKernel``; its
@@ -1121,6 +1134,10 @@ if native is not None:
         setattr(DeviceContext, f"_{_name}", DeviceContext.__dict__[_name])
         delattr(DeviceContext, _name)
     native.configure_buffers(DeviceBuffer, DeviceFunction, as_dtype, np.dtype)
+    # NumPy scalar arguments whose value the launch copies from the scalar itself
+    # (each checked with this sample, whose every byte matters) rather than
+    # through float() or __index__.
+    native.configure_scalars(b"fdbhiqBHIQ", _SCALAR_SAMPLES)
 
 
 class _Wait:

@@ -360,8 +360,31 @@ static int usable(PyObject *a, int core, PyObject *open_state) {
 
 /* Write one argument into an 8-byte slot: 0 done, 1 the argument cannot be
  * used here (the general path takes over), -1 with an exception set. */
+/* NumPy's scalar types whose value a launch copies from the object itself, by
+ * argument code (NULL: through float() or __index__). Every NumPy scalar keeps
+ * its value in the field right after the object header (what NumPy's
+ * PyArrayScalar_VAL reads); configure_scalars registers a type only once a
+ * sample of it read that way gave the bytes the general conversion gives. */
+static PyTypeObject *np_scalar_of[128];
+static PyObject *np_scalar_held = NULL; /* a list holding the registered types */
+
+/* The bytes an argument of this code takes in its 8-byte slot (0: not a number). */
+static int code_width(char code) {
+    switch (code) {
+    case A_I8: case A_U8: return 1;
+    case A_I16: case A_U16: return 2;
+    case A_F32: case A_I32: case A_U32: return 4;
+    case A_F64: case A_I64: case A_U64: return 8;
+    default: return 0;
+    }
+}
+
 static int pack_one(char code, PyObject *a, unsigned char *slot, PyObject *open_state) {
     memset(slot, 0, 8);
+    if ((unsigned char)code < 128 && Py_TYPE(a) == np_scalar_of[(unsigned char)code]) {
+        memcpy(slot, (const char *)a + sizeof(PyObject), (size_t)code_width(code));
+        return 0;
+    }
     switch (code) {
     case A_PTR: {
         PyObject *p;
@@ -3053,6 +3076,56 @@ static PyObject *configure_buffers(PyObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* configure_scalars(codes, samples) -> bytes: for each code (bytes, one per
+ * sample) and sample (a NumPy scalar of the type that code stands for, of a
+ * value whose every byte matters), register the sample's type for in-place
+ * reads (np_scalar_of) if its value field holds the bytes the general
+ * conversion packs; the codes registered. configure_scalars(b"", ()) clears
+ * the table: every number goes through float() or __index__. */
+static PyObject *configure_scalars(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    char done[128];
+    const char *codes;
+    Py_ssize_t k, count, got = 0;
+    if (n != 2 || !PyBytes_Check(args[0]) || !PyTuple_Check(args[1]) ||
+        PyBytes_Size(args[0]) != PyTuple_Size(args[1]) || PyTuple_Size(args[1]) > 64) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure_scalars(codes: bytes, samples: tuple), one code per sample");
+        return NULL;
+    }
+    memset(np_scalar_of, 0, sizeof np_scalar_of);
+    Py_CLEAR(np_scalar_held);
+    np_scalar_held = PyList_New(0);
+    if (np_scalar_held == NULL)
+        return NULL;
+    codes = PyBytes_AsString(args[0]);
+    count = PyTuple_Size(args[1]);
+    for (k = 0; k < count; k++) {
+        PyObject *o = PyTuple_GetItem(args[1], k);
+        unsigned char general[8], in_place[8];
+        char code = codes[k];
+        int width = code_width(code);
+        if (width == 0 || (unsigned char)code >= 128) {
+            PyErr_Format(PyExc_ValueError, "configure_scalars: %c is not a number's code", code);
+            return NULL;
+        }
+        if (pack_one(code, o, general, NULL)) {
+            PyErr_Clear(); /* not a number of this code at all: not registered */
+            continue;
+        }
+        memset(in_place, 0, 8);
+        memcpy(in_place, (const char *)o + sizeof(PyObject), (size_t)width);
+        if (memcmp(general, in_place, 8) == 0) {
+            if (PyList_Append(np_scalar_held, (PyObject *)Py_TYPE(o))) {
+                memset(np_scalar_of, 0, sizeof np_scalar_of);
+                return NULL;
+            }
+            np_scalar_of[(unsigned char)code] = Py_TYPE(o);
+            done[got++] = code;
+        }
+    }
+    return PyBytes_FromStringAndSize(done, got);
+}
+
 /* set_exiting(flag): whether the interpreter is exiting (set at exit): then a
  * dropped buffer's memory is never kept here, but given to _release_memory
  * (which abandons it; see _BufferBase). */
@@ -3122,6 +3195,10 @@ static PyMethodDef methods[] = {
     {"configure_buffers", (PyCFunction)(void (*)(void))configure_buffers, METH_FASTCALL,
      "configure_buffers(device_buffer_type, function_type, as_dtype, numpy_dtype): what the "
      "context's fast paths create and check."},
+    {"configure_scalars", (PyCFunction)(void (*)(void))configure_scalars, METH_FASTCALL,
+     "configure_scalars(codes, samples) -> bytes: the NumPy scalar types whose value a "
+     "launch copies from the object itself, checked with a sample each; the codes "
+     "registered."},
     {"set_exiting", set_exiting, METH_O,
      "set_exiting(flag): the interpreter is exiting: dropped buffers keep no memory."},
     {NULL, NULL, 0, NULL},

@@ -179,3 +179,47 @@ def test_malformed_calls_raise_instead_of_calling_the_driver(driver: Driver, bad
 def test_bind_refuses_null_entry_points() -> None:
     with pytest.raises(ValueError, match="NULL"):
         _native.bind(0, 0)
+
+
+@pytest.fixture
+def scalars_restored() -> Iterator[None]:
+    """Whatever a test does to the in-place scalar table, the package's is back after."""
+    from asyncgpu._context import _SCALAR_SAMPLES
+
+    try:
+        yield
+    finally:
+        assert _native.configure_scalars(b"fdbhiqBHIQ", _SCALAR_SAMPLES) == b"fdbhiqBHIQ"
+
+
+@pytest.mark.parametrize("sample", range(10))
+def test_a_numpy_scalar_packs_the_same_read_in_place_or_converted(
+    driver: Driver, scalars_restored: None, sample: int
+) -> None:
+    """The launch copies a NumPy scalar's value from the scalar itself; with
+    that switched off it converts it through float() or __index__: the kernel
+    gets the same bytes either way."""
+    from asyncgpu._context import _SCALAR_SAMPLES
+
+    value, code = _SCALAR_SAMPLES[sample], b"fdbhiqBHIQ"[sample : sample + 1]
+    assert launch(driver, (value,), code) == 0
+    _native.configure_scalars(b"", ())
+    assert launch(driver, (value,), code) == 0
+    in_place, converted = driver.launches[0][3], driver.launches[1][3]
+    assert in_place == converted
+    assert in_place == [struct.pack("<" + code.decode(), value) + bytes(8 - value.nbytes)]
+
+
+def test_only_types_that_keep_their_value_where_numpy_scalars_do_are_read_in_place(
+    scalars_restored: None,
+) -> None:
+    """A Python float keeps a double where a float32 would be: its first four
+    bytes are not 1.5 as a float32, so it is not registered for code ``f``."""
+    assert _native.configure_scalars(b"fi", (1.5, np.int32(-5))) == b"i"
+
+
+def test_configure_scalars_refuses_a_code_that_is_not_a_number(scalars_restored: None) -> None:
+    with pytest.raises(ValueError, match="P is not a number's code"):
+        _native.configure_scalars(b"P", (np.float32(1.0),))
+    with pytest.raises(TypeError, match="one code per sample"):
+        _native.configure_scalars(b"ff", (np.float32(1.0),))
