@@ -1732,9 +1732,8 @@ static PyObject *stream_retire(PyObject *self, PyObject *unused) {
     Held rh;
     long long c;
     Py_ssize_t n, i, ndone = 0, room = 64;
-    int empty = 0, failed = 0, queue = is_queue(s->inflight);
-    if ((!queue && cache_methods(s->inflight, &s->popdeque_of, &s->popleft, NULL, s_popleft, NULL)) ||
-        hold(s->retire_lock, &s->rlock_of, &s->racquire, &s->rrelease, &rh))
+    int empty = 0, failed = 0;
+    if (hold(s->retire_lock, &s->rlock_of, &s->racquire, &s->rrelease, &rh))
         return NULL;
     if (completed(s, &c) == 0) {
         for (;;) {
@@ -1771,8 +1770,15 @@ static PyObject *stream_retire(PyObject *self, PyObject *unused) {
                 done = more;
                 room *= 2;
             }
-            /* the queue's head is there (n > 0): queue_pop cannot come back empty */
-            r = queue ? queue_pop((EventQueue *)s->inflight) : PyObject_CallNoArgs(s->popleft);
+            /* (the queue's head is there, n > 0: queue_pop cannot come back empty;
+             * the field is looked at each time, as completed() may run Python) */
+            if (is_queue(s->inflight))
+                r = queue_pop((EventQueue *)s->inflight);
+            else if (cache_methods(s->inflight, &s->popdeque_of, &s->popleft, NULL, s_popleft,
+                                   NULL))
+                r = NULL;
+            else
+                r = PyObject_CallNoArgs(s->popleft);
             if (r == NULL) {
                 if (!PyErr_Occurred())
                     PyErr_SetString(PyExc_RuntimeError, "asyncgpu: the in-flight queue emptied");
