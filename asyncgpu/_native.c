@@ -358,8 +358,6 @@ static int usable(PyObject *a, int core, PyObject *open_state) {
     return rc < 0 ? -1 : !rc;
 }
 
-/* Write one argument into an 8-byte slot: 0 done, 1 the argument cannot be
- * used here (the general path takes over), -1 with an exception set. */
 /* NumPy's scalar types whose value a launch copies from the object itself, by
  * argument code (NULL: through float() or __index__). Every NumPy scalar keeps
  * its value in the field right after the object header (what NumPy's
@@ -379,6 +377,8 @@ static int code_width(char code) {
     }
 }
 
+/* Write one argument into an 8-byte slot: 0 done, 1 the argument cannot be
+ * used here (the general path takes over), -1 with an exception set. */
 static int pack_one(char code, PyObject *a, unsigned char *slot, PyObject *open_state) {
     memset(slot, 0, 8);
     if ((unsigned char)code < 128 && Py_TYPE(a) == np_scalar_of[(unsigned char)code]) {

@@ -112,7 +112,7 @@ def stream(driver: Driver, request: pytest.FixtureRequest) -> Iterator[Stream]:
     sweeps: list[Any] = []
     _native.configure(DeviceEvent, sweeps.append, 32)
     try:
-        yield Stream(sweeps, _native.EventQueue() if request.param == "EventQueue" else deque())
+        yield Stream(sweeps, None if request.param == "EventQueue" else deque())
     finally:
         from asyncgpu._engine import watcher
 
