@@ -13,10 +13,13 @@ Two pollers read those counters:
 * ``_Reactor``: one per asyncio event loop, a task on that loop. It polls every
   stream with pending awaits once per loop iteration while completions keep
   coming (``SPIN_S``), then parks on a timer (``PARK_S`` backing off to
-  ``PARK_MAX_S``), so a long kernel costs almost no CPU. Wake-ups it causes are
-  plain ``set_result`` calls on its own loop, as many per iteration as fit in
-  ``ITERATION_S`` (measured from the iterations before): no thread hop, no
-  self-pipe write, and no loop iteration long enough to starve other tasks.
+  ``PARK_MAX_S``), so a long kernel costs almost no CPU. Wake-ups it causes happen
+  on its own loop, as many per iteration as fit in ``ITERATION_S`` (measured
+  from the iterations before): no thread hop, no self-pipe write, and no loop
+  iteration long enough to starve other tasks. With the extension each
+  iteration's batch runs in one loop callback (``_wake_batch``) that finishes
+  each ``DirectFuture`` and runs its task's step at once; without it, plain
+  ``set_result`` calls.
 * ``_Watcher``: one thread per process, for everything that is not an asyncio
   await (``add_done_callback``, trio awaits, CPU functions enqueued behind GPU
   work, sweeping finished work so that what it kept alive is released). It
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import contextvars
 import heapq
 import operator
 import os
@@ -44,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ._accel import native
 from ._event import _set_future
 
 if TYPE_CHECKING:
@@ -64,9 +69,16 @@ WAKE_MIN = 8
 WAKE_MAX = 256
 INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
 
-_monotonic = time.perf_counter
-_Future = asyncio.Future
 InvalidStateError = asyncio.InvalidStateError
+_monotonic = time.perf_counter
+# The future of a reactor's await: the extension's DirectFuture, which the
+# reactor completes by running the awaiting task's step at once (``_wake_batch``),
+# or asyncio's own, completed with ``set_result`` (one ``loop.call_soon`` each).
+_Future: Any = asyncio.Future
+_direct = native is not None
+if _direct:
+    native.configure_futures(contextvars.copy_context, asyncio.CancelledError, InvalidStateError)
+    _Future = native.DirectFuture
 _first = operator.itemgetter(0)
 
 
@@ -412,12 +424,16 @@ class _Reactor:
             self.batch = max(WAKE_MIN, min(WAKE_MAX, round(ITERATION_S / per_task)))
         d = self.deferred
         n = min(self.batch, len(d))
-        for _ in range(n):
-            fut = d.popleft()
-            try:  # (not contextlib.suppress: the wake-up's hot path)  # noqa: SIM105
-                fut.set_result(None)
-            except InvalidStateError:  # cancelled (its task was)
-                pass
+        if _direct:
+            popleft = d.popleft
+            self.loop.call_soon(_wake_batch, [popleft() for _ in range(n)])
+        else:
+            for _ in range(n):
+                fut = d.popleft()
+                try:  # (not contextlib.suppress: the wake-up's hot path)  # noqa: SIM105
+                    fut.set_result(None)
+                except InvalidStateError:  # cancelled (its task was)
+                    pass
         self.woken = n
         self.woke_at = now
 
@@ -469,6 +485,31 @@ class _Reactor:
             d = self.deferred
             while d:  # never strand a waiter (cancelled, or its loop is closing)
                 _set_future(d.popleft())
+
+
+def _wake_batch(futs: list[Any]) -> None:
+    """Wake the awaits of a batch of ``DirectFuture`` in order: each ``wake``
+    runs its awaiting task's step here. A plain loop callback (the reactor's
+    ``_wake_some`` schedules it), because asyncio runs a task's step only
+    outside any other task's step. A done callback's exception is reported as
+    asyncio reports one from a callback; ``KeyboardInterrupt`` and
+    ``SystemExit`` (which a task's step lets through) leave the rest of the
+    batch to ``loop.call_soon`` and propagate."""
+    for i, fut in enumerate(futs):
+        try:
+            fut.wake()
+        except Exception as exc:
+            fut.get_loop().call_exception_handler(
+                {
+                    "message": "exception in a callback of an asyncgpu await",
+                    "exception": exc,
+                    "future": fut,
+                }
+            )
+        except BaseException:
+            for rest in futs[i + 1 :]:
+                _set_future(rest)
+            raise
 
 
 _reactors: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Reactor] = (

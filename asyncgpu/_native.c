@@ -1201,6 +1201,511 @@ static PyType_Spec queue_spec = {
 };
 
 /* ---------------------------------------------------------------------------------
+ * DirectFuture: the future of one asyncio await of a polled stream, which the
+ * engine's reactor completes. It keeps asyncio's future protocol (what a Task
+ * and asyncio.wait/gather use: _asyncio_future_blocking, get_loop,
+ * add_done_callback, remove_done_callback, cancel, cancelled, done, result,
+ * exception, set_result, iteration), and adds wake(): complete it and run its
+ * done callbacks at once, in their contexts, instead of through one
+ * loop.call_soon each. The reactor calls wake() from a plain loop callback for
+ * a batch of finished awaits, so each awaiting task's step runs there without
+ * a Handle of its own. Everything else (set_result, cancel, a callback added
+ * once it is done) schedules the callbacks with loop.call_soon, as asyncio's
+ * futures do. Its result is its only value; it never holds an exception.
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *loop;
+    PyObject *cb, *cb_ctx; /* the first done callback (the awaiting task's wake-up), its context */
+    PyObject *more;        /* a list of (callback, context) for any further ones, or NULL */
+    PyObject *result, *cancel_msg;
+    char state;    /* FUT_PENDING, FUT_DONE or FUT_CANCELLED */
+    char blocking; /* _asyncio_future_blocking */
+    char yielded;  /* its iterator gave itself to the awaiting task once */
+} DirectFuture;
+
+enum { FUT_PENDING, FUT_DONE, FUT_CANCELLED };
+
+static PyTypeObject *direct_future_type = NULL;
+/* contextvars.copy_context, asyncio.CancelledError, asyncio.InvalidStateError
+ * (configure_futures) */
+static PyObject *copy_context_fn = NULL, *cancelled_error = NULL, *invalid_state_error = NULL;
+static PyObject *s_call_soon, *s_run, *s_context, *s_msg, *s_loop;
+
+static PyObject *future_tp_new(PyTypeObject *tp, PyObject *args, PyObject *kwds) {
+    DirectFuture *f;
+    PyObject *loop;
+    Py_ssize_t nk = kwds == NULL ? 0 : PyDict_Size(kwds), na = PyTuple_Size(args);
+    loop = nk == 1 && na == 0 ? PyDict_GetItem(kwds, s_loop) : NULL;
+    if (loop == NULL && nk == 0 && na == 1)
+        loop = PyTuple_GetItem(args, 0);
+    if (loop == NULL) {
+        PyErr_SetString(PyExc_TypeError, "DirectFuture(loop) takes the loop alone");
+        return NULL;
+    }
+    if (copy_context_fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "DirectFuture: configure_futures() was not called");
+        return NULL;
+    }
+    f = (DirectFuture *)((allocfunc)PyType_GetSlot(tp, Py_tp_alloc))(tp, 0);
+    if (f == NULL)
+        return NULL;
+    Py_INCREF(loop);
+    f->loop = loop;
+    return (PyObject *)f;
+}
+
+static int future_traverse(PyObject *self, visitproc visit, void *arg) {
+    DirectFuture *f = (DirectFuture *)self;
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(f->loop);
+    Py_VISIT(f->cb);
+    Py_VISIT(f->cb_ctx);
+    Py_VISIT(f->more);
+    Py_VISIT(f->result);
+    Py_VISIT(f->cancel_msg);
+    return 0;
+}
+
+static int future_clear(PyObject *self) {
+    DirectFuture *f = (DirectFuture *)self;
+    Py_CLEAR(f->loop);
+    Py_CLEAR(f->cb);
+    Py_CLEAR(f->cb_ctx);
+    Py_CLEAR(f->more);
+    Py_CLEAR(f->result);
+    Py_CLEAR(f->cancel_msg);
+    return 0;
+}
+
+static void future_dealloc(PyObject *self) { dealloc_core(self, future_clear); }
+
+/* loop.call_soon(fn, fut, context=ctx); -1 with an exception. */
+static int call_soon_with(PyObject *loop, PyObject *fn, PyObject *fut, PyObject *ctx) {
+    PyObject *meth, *args, *kw, *r = NULL;
+    meth = PyObject_GetAttr(loop, s_call_soon);
+    if (meth == NULL)
+        return -1;
+    args = PyTuple_Pack(2, fn, fut);
+    kw = PyDict_New();
+    if (args != NULL && kw != NULL && PyDict_SetItem(kw, s_context, ctx) == 0)
+        r = PyObject_Call(meth, args, kw);
+    Py_DECREF(meth);
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* Take the callbacks off (a new list of (callback, context) pairs, in the order
+ * they were added; NULL with an exception). The future holds none afterwards. */
+static PyObject *take_callbacks(DirectFuture *f) {
+    PyObject *all = PyList_New(0), *pair;
+    if (all == NULL)
+        return NULL;
+    if (f->cb != NULL) {
+        pair = PyTuple_Pack(2, f->cb, f->cb_ctx);
+        if (pair == NULL || PyList_Append(all, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(all);
+            return NULL;
+        }
+        Py_DECREF(pair);
+        Py_CLEAR(f->cb);
+        Py_CLEAR(f->cb_ctx);
+    }
+    if (f->more != NULL) {
+        Py_ssize_t i, n = PyList_Size(f->more);
+        for (i = 0; i < n; i++)
+            if (PyList_Append(all, PyList_GetItem(f->more, i)) < 0) {
+                Py_DECREF(all);
+                return NULL;
+            }
+        Py_CLEAR(f->more);
+    }
+    return all;
+}
+
+/* Schedule every callback of a finished f with loop.call_soon, as asyncio's
+ * futures do; -1 with an exception (the callbacks not yet scheduled are lost
+ * only if the loop refuses them, i.e. is closed). */
+static int schedule_callbacks(DirectFuture *f) {
+    PyObject *all;
+    Py_ssize_t i, n;
+    if (f->cb == NULL && f->more == NULL)
+        return 0;
+    all = take_callbacks(f);
+    if (all == NULL)
+        return -1;
+    n = PyList_Size(all);
+    for (i = 0; i < n; i++) {
+        PyObject *pair = PyList_GetItem(all, i);
+        if (call_soon_with(f->loop, PyTuple_GetItem(pair, 0), (PyObject *)f,
+                           PyTuple_GetItem(pair, 1)) < 0) {
+            Py_DECREF(all);
+            return -1;
+        }
+    }
+    Py_DECREF(all);
+    return 0;
+}
+
+/* ctx.run(fn, fut); -1 with the callback's exception. */
+static int run_in(PyObject *ctx, PyObject *fn, PyObject *fut) {
+    PyObject *r = PyObject_CallMethodObjArgs(ctx, s_run, fn, fut, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* wake(): the hot path of a finished await. Complete the future (result None)
+ * and run its done callbacks now, in their contexts, in the order they were
+ * added. Call it only from a plain loop callback on the loop's thread, never
+ * from inside a task's step: the awaiting task's step runs here. A cancelled
+ * or finished future is left as it is. If a callback raises, the ones after it
+ * are scheduled with loop.call_soon and the exception propagates. */
+static PyObject *future_wake(PyObject *self, PyObject *unused) {
+    DirectFuture *f = (DirectFuture *)self;
+    PyObject *cb, *ctx, *more;
+    Py_ssize_t i, n;
+    if (f->state != FUT_PENDING)
+        Py_RETURN_NONE;
+    f->state = FUT_DONE;
+    cb = f->cb; /* the references move here */
+    ctx = f->cb_ctx;
+    more = f->more;
+    f->cb = f->cb_ctx = f->more = NULL;
+    if (cb != NULL) {
+        int rc = run_in(ctx, cb, self);
+        Py_DECREF(cb);
+        Py_DECREF(ctx);
+        if (rc < 0) {
+            if (more != NULL) {
+                PyObject *exc_t, *exc_v, *exc_tb;
+                PyErr_Fetch(&exc_t, &exc_v, &exc_tb);
+                f->more = more;
+                if (schedule_callbacks(f) < 0)
+                    PyErr_Clear(); /* (the loop is closed: nobody is left to call) */
+                PyErr_Restore(exc_t, exc_v, exc_tb);
+            }
+            return NULL;
+        }
+    }
+    if (more == NULL)
+        Py_RETURN_NONE;
+    n = PyList_Size(more);
+    for (i = 0; i < n; i++) {
+        PyObject *pair = PyList_GetItem(more, i);
+        if (run_in(PyTuple_GetItem(pair, 1), PyTuple_GetItem(pair, 0), self) < 0) {
+            PyObject *exc_t, *exc_v, *exc_tb, *rest;
+            PyErr_Fetch(&exc_t, &exc_v, &exc_tb);
+            rest = PyList_GetSlice(more, i + 1, n);
+            if (rest != NULL && PyList_Size(rest) > 0) {
+                replace_ref(&f->more, rest);
+                if (schedule_callbacks(f) < 0)
+                    PyErr_Clear();
+            } else {
+                Py_XDECREF(rest);
+                PyErr_Clear();
+            }
+            Py_DECREF(more);
+            PyErr_Restore(exc_t, exc_v, exc_tb);
+            return NULL;
+        }
+    }
+    Py_DECREF(more);
+    Py_RETURN_NONE;
+}
+
+static PyObject *future_set_result(PyObject *self, PyObject *value) {
+    DirectFuture *f = (DirectFuture *)self;
+    if (f->state != FUT_PENDING) {
+        PyErr_Format(invalid_state_error, "%s: %R", f->state == FUT_DONE ? "finished" : "cancelled",
+                     self);
+        return NULL;
+    }
+    f->state = FUT_DONE;
+    Py_INCREF(value);
+    replace_ref(&f->result, value);
+    if (schedule_callbacks(f) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Raise the CancelledError of a cancelled future (its message, if any). */
+static PyObject *raise_cancelled(DirectFuture *f) {
+    if (f->cancel_msg == NULL || f->cancel_msg == Py_None)
+        PyErr_SetNone(cancelled_error);
+    else
+        PyErr_SetObject(cancelled_error, f->cancel_msg);
+    return NULL;
+}
+
+static PyObject *future_result(PyObject *self, PyObject *unused) {
+    DirectFuture *f = (DirectFuture *)self;
+    if (f->state == FUT_CANCELLED)
+        return raise_cancelled(f);
+    if (f->state == FUT_PENDING) {
+        PyErr_SetString(invalid_state_error, "Result is not set.");
+        return NULL;
+    }
+    if (f->result == NULL)
+        Py_RETURN_NONE;
+    Py_INCREF(f->result);
+    return f->result;
+}
+
+static PyObject *future_exception(PyObject *self, PyObject *unused) {
+    DirectFuture *f = (DirectFuture *)self;
+    if (f->state == FUT_CANCELLED)
+        return raise_cancelled(f);
+    if (f->state == FUT_PENDING) {
+        PyErr_SetString(invalid_state_error, "Exception is not set.");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *future_done(PyObject *self, PyObject *unused) {
+    return PyBool_FromLong(((DirectFuture *)self)->state != FUT_PENDING);
+}
+
+static PyObject *future_cancelled(PyObject *self, PyObject *unused) {
+    return PyBool_FromLong(((DirectFuture *)self)->state == FUT_CANCELLED);
+}
+
+static PyObject *future_get_loop(PyObject *self, PyObject *unused) {
+    PyObject *loop = ((DirectFuture *)self)->loop;
+    Py_INCREF(loop);
+    return loop;
+}
+
+/* The keyword argument `name` of a METH_FASTCALL | METH_KEYWORDS call (borrowed;
+ * NULL without an exception if absent, NULL with TypeError for any other). */
+static int keyword_only(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                        PyObject *name, const char *what, PyObject **out) {
+    Py_ssize_t i, nk = kwnames == NULL ? 0 : PyTuple_Size(kwnames);
+    *out = NULL;
+    for (i = 0; i < nk; i++) {
+        PyObject *k = PyTuple_GetItem(kwnames, i);
+        int eq = PyObject_RichCompareBool(k, name, Py_EQ);
+        if (eq < 0)
+            return -1;
+        if (!eq) {
+            PyErr_Format(PyExc_TypeError, "%s got an unexpected keyword argument %R", what, k);
+            return -1;
+        }
+        *out = args[nargs + i];
+    }
+    return 0;
+}
+
+/* add_done_callback(fn, *, context=None), as asyncio.Future's. */
+static PyObject *future_add_done_callback(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                          PyObject *kwnames) {
+    DirectFuture *f = (DirectFuture *)self;
+    PyObject *fn, *ctx, *pair;
+    if (nargs != 1) {
+        PyErr_SetString(PyExc_TypeError, "add_done_callback(fn, *, context=None)");
+        return NULL;
+    }
+    if (keyword_only(args, nargs, kwnames, s_context, "add_done_callback()", &ctx) < 0)
+        return NULL;
+    fn = args[0];
+    if (ctx == NULL || ctx == Py_None) {
+        ctx = PyObject_CallNoArgs(copy_context_fn);
+        if (ctx == NULL)
+            return NULL;
+    } else {
+        Py_INCREF(ctx);
+    }
+    if (f->state != FUT_PENDING) {
+        int rc = call_soon_with(f->loop, fn, self, ctx);
+        Py_DECREF(ctx);
+        if (rc < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    if (f->cb == NULL && f->more == NULL) {
+        Py_INCREF(fn);
+        f->cb = fn;
+        f->cb_ctx = ctx; /* (the reference taken above) */
+        Py_RETURN_NONE;
+    }
+    pair = PyTuple_Pack(2, fn, ctx);
+    Py_DECREF(ctx);
+    if (pair == NULL)
+        return NULL;
+    if (f->more == NULL && (f->more = PyList_New(0)) == NULL) {
+        Py_DECREF(pair);
+        return NULL;
+    }
+    if (PyList_Append(f->more, pair) < 0) {
+        Py_DECREF(pair);
+        return NULL;
+    }
+    Py_DECREF(pair);
+    Py_RETURN_NONE;
+}
+
+/* remove_done_callback(fn) -> how many were removed (compared with ==). */
+static PyObject *future_remove_done_callback(PyObject *self, PyObject *fn) {
+    DirectFuture *f = (DirectFuture *)self;
+    Py_ssize_t removed = 0;
+    if (f->cb != NULL) {
+        int eq = PyObject_RichCompareBool(f->cb, fn, Py_EQ);
+        if (eq < 0)
+            return NULL;
+        if (eq) {
+            Py_CLEAR(f->cb);
+            Py_CLEAR(f->cb_ctx);
+            removed++;
+        }
+    }
+    if (f->more != NULL) {
+        PyObject *kept = PyList_New(0), *more = f->more;
+        Py_ssize_t i, n = PyList_Size(more);
+        if (kept == NULL)
+            return NULL;
+        for (i = 0; i < n; i++) {
+            PyObject *pair = PyList_GetItem(more, i);
+            int eq = PyObject_RichCompareBool(PyTuple_GetItem(pair, 0), fn, Py_EQ);
+            if (eq < 0 || (!eq && PyList_Append(kept, pair) < 0)) {
+                Py_DECREF(kept);
+                return NULL;
+            }
+            removed += eq;
+        }
+        if (PyList_Size(kept) == 0) {
+            Py_DECREF(kept);
+            Py_CLEAR(f->more);
+        } else {
+            replace_ref(&f->more, kept);
+        }
+    }
+    return PyLong_FromSsize_t(removed);
+}
+
+/* cancel(msg=None) -> False if already finished, else True (the callbacks are
+ * scheduled with loop.call_soon). */
+static PyObject *future_cancel(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                               PyObject *kwnames) {
+    DirectFuture *f = (DirectFuture *)self;
+    PyObject *msg = NULL;
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "cancel(msg=None)");
+        return NULL;
+    }
+    if (keyword_only(args, nargs, kwnames, s_msg, "cancel()", &msg) < 0)
+        return NULL;
+    if (nargs == 1) {
+        if (msg != NULL) {
+            PyErr_SetString(PyExc_TypeError, "cancel() got msg twice");
+            return NULL;
+        }
+        msg = args[0];
+    }
+    if (f->state != FUT_PENDING)
+        Py_RETURN_FALSE;
+    f->state = FUT_CANCELLED;
+    if (msg != NULL) {
+        Py_INCREF(msg);
+        replace_ref(&f->cancel_msg, msg);
+    }
+    if (schedule_callbacks(f) < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *future_iter(PyObject *self) {
+    Py_INCREF(self);
+    return self;
+}
+
+/* The await: give the future itself to the awaiting task once (marked
+ * blocking, as asyncio.Future.__await__ does), then end with its result. */
+static PyObject *future_iternext(PyObject *self) {
+    DirectFuture *f = (DirectFuture *)self;
+    if (f->state == FUT_PENDING) {
+        if (f->yielded) {
+            PyErr_SetString(PyExc_RuntimeError, "await wasn't used with future");
+            return NULL;
+        }
+        f->yielded = 1;
+        f->blocking = 1;
+        Py_INCREF(self);
+        return self;
+    }
+    if (f->state == FUT_CANCELLED)
+        return raise_cancelled(f);
+    if (f->result != NULL && f->result != Py_None) {
+        PyObject *stop = PyObject_CallFunctionObjArgs(PyExc_StopIteration, f->result, NULL);
+        if (stop != NULL) {
+            PyErr_SetObject(PyExc_StopIteration, stop);
+            Py_DECREF(stop);
+        }
+    }
+    return NULL; /* (no exception set: StopIteration, value None) */
+}
+
+static PyObject *future_repr(PyObject *self) {
+    DirectFuture *f = (DirectFuture *)self;
+    static const char *names[] = {"pending", "finished", "cancelled"};
+    return PyUnicode_FromFormat("<asyncgpu DirectFuture %s>", names[(int)f->state]);
+}
+
+static PyMemberDef future_members[] = {
+    {"_asyncio_future_blocking", T_BOOL, offsetof(DirectFuture, blocking), 0, NULL},
+    {"_loop", T_OBJECT, offsetof(DirectFuture, loop), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMethodDef future_methods[] = {
+    {"wake", future_wake, METH_NOARGS,
+     "wake(): finish with result None and run the done callbacks now, in their contexts "
+     "(only from a plain callback of the loop, never inside a task); no-op if finished."},
+    {"set_result", future_set_result, METH_O,
+     "set_result(value): finish; the done callbacks are scheduled with loop.call_soon."},
+    {"result", future_result, METH_NOARGS, "result(): as asyncio.Future.result."},
+    {"exception", future_exception, METH_NOARGS, "exception(): as asyncio.Future.exception."},
+    {"done", future_done, METH_NOARGS, "done(): finished or cancelled."},
+    {"cancelled", future_cancelled, METH_NOARGS, "cancelled()"},
+    {"get_loop", future_get_loop, METH_NOARGS, "get_loop(): the loop it belongs to."},
+    {"add_done_callback", (PyCFunction)(void (*)(void))future_add_done_callback,
+     METH_FASTCALL | METH_KEYWORDS, "add_done_callback(fn, *, context=None)"},
+    {"remove_done_callback", future_remove_done_callback, METH_O,
+     "remove_done_callback(fn) -> the number removed."},
+    {"cancel", (PyCFunction)(void (*)(void))future_cancel, METH_FASTCALL | METH_KEYWORDS,
+     "cancel(msg=None) -> True unless already finished."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot future_slots[] = {
+    {Py_tp_new, (void *)future_tp_new},
+    {Py_tp_methods, future_methods},
+    {Py_tp_members, future_members},
+    {Py_tp_traverse, (void *)future_traverse},
+    {Py_tp_clear, (void *)future_clear},
+    {Py_tp_dealloc, (void *)future_dealloc},
+    {Py_tp_repr, (void *)future_repr},
+    {Py_tp_iter, (void *)future_iter},
+    {Py_tp_iternext, (void *)future_iternext},
+    {Py_am_await, (void *)future_iter},
+    {Py_tp_doc, "DirectFuture(loop): the future of one awaited operation of a polled stream, "
+                "with asyncio's future protocol; the reactor completes it with wake(), which "
+                "runs the awaiting task's step at once instead of through loop.call_soon."},
+    {0, NULL},
+};
+
+static PyType_Spec future_spec = {
+    "asyncgpu._native.DirectFuture", sizeof(DirectFuture), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, future_slots,
+};
+
+/* ---------------------------------------------------------------------------------
  * StreamCore: the bookkeeping fields of a polled stream (_PolledStream and
  * CudaStream subclass it), which the launch below reads and writes directly.
  */
@@ -3183,6 +3688,24 @@ static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     Py_RETURN_NONE;
 }
 
+/* configure_futures(copy_context, cancelled_error, invalid_state_error): what a
+ * DirectFuture calls and raises (contextvars.copy_context,
+ * asyncio.CancelledError, asyncio.InvalidStateError). */
+static PyObject *configure_futures(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 3 || !PyCallable_Check(args[0]) || !PyType_Check(args[1]) || !PyType_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "configure_futures(copy_context, cancelled_error, "
+                                         "invalid_state_error)");
+        return NULL;
+    }
+    Py_INCREF(args[0]);
+    replace_ref(&copy_context_fn, args[0]);
+    Py_INCREF(args[1]);
+    replace_ref(&cancelled_error, args[1]);
+    Py_INCREF(args[2]);
+    replace_ref(&invalid_state_error, args[2]);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(launch_entry, write64_entry[, record_entry, query_entry]) -> the previous "
@@ -3205,6 +3728,9 @@ static PyMethodDef methods[] = {
      "configure_scalars(codes, samples) -> bytes: the NumPy scalar types whose value a "
      "launch copies from the object itself, checked with a sample each; the codes "
      "registered."},
+    {"configure_futures", (PyCFunction)(void (*)(void))configure_futures, METH_FASTCALL,
+     "configure_futures(copy_context, cancelled_error, invalid_state_error): what a "
+     "DirectFuture calls and raises."},
     {"set_exiting", set_exiting, METH_O,
      "set_exiting(flag): the interpreter is exiting: dropped buffers keep no memory."},
     {NULL, NULL, 0, NULL},
@@ -3258,6 +3784,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_general_create = intern("_enqueue_create_buffer");
     s_backend = intern("backend");
     s_alloc_device = intern("alloc_device");
+    s_call_soon = intern("call_soon");
+    s_run = intern("run");
+    s_context = intern("context");
+    s_msg = intern("msg");
+    s_loop = intern("loop");
     empty_tuple = PyTuple_New(0);
     dtype_cache = PyDict_New();
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
@@ -3266,7 +3797,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
         !s_codes || !s_addr || !s_pointers || !s_release_memory || !s_open || !s_trace ||
         !s_grid_dim || !s_block_dim || !s_launch || !s_alloc_ptr || !s_itemsize ||
-        !s_general_function || !s_general_create || !empty_tuple || !dtype_cache)
+        !s_general_function || !s_general_create || !empty_tuple || !dtype_cache ||
+        !s_call_soon || !s_run || !s_context || !s_msg || !s_loop)
         return NULL;
     event_core_type = (PyTypeObject *)PyType_FromSpec(&event_spec);
     if (event_core_type == NULL)
@@ -3301,6 +3833,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     event_queue_type = (PyTypeObject *)PyType_FromSpec(&queue_spec);
     if (event_queue_type == NULL)
         return NULL;
+    direct_future_type = (PyTypeObject *)PyType_FromSpec(&future_spec);
+    if (direct_future_type == NULL)
+        return NULL;
     m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
@@ -3315,6 +3850,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(ref_core_type);
     Py_INCREF(kernel_core_type);
     Py_INCREF(event_queue_type);
+    Py_INCREF(direct_future_type);
     if (PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0 ||
         PyModule_AddObject(m, "EventCore", (PyObject *)event_core_type) < 0 ||
         PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0 ||
@@ -3326,7 +3862,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddObject(m, "StateCore", (PyObject *)state_core_type) < 0 ||
         PyModule_AddObject(m, "RefCore", (PyObject *)ref_core_type) < 0 ||
         PyModule_AddObject(m, "KernelCore", (PyObject *)kernel_core_type) < 0 ||
-        PyModule_AddObject(m, "EventQueue", (PyObject *)event_queue_type) < 0) {
+        PyModule_AddObject(m, "EventQueue", (PyObject *)event_queue_type) < 0 ||
+        PyModule_AddObject(m, "DirectFuture", (PyObject *)direct_future_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

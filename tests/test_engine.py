@@ -139,6 +139,13 @@ class _Clock:
         return self.now
 
 
+async def wake_some(reactor: _engine._Reactor) -> None:
+    """One reactor step's wake-ups, and the loop iteration that runs them (with
+    the extension they run in a callback of their own, ``_wake_batch``)."""
+    reactor._wake_some()
+    await asyncio.sleep(0)
+
+
 @pytest.mark.asyncio
 async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
     monkeypatch,
@@ -150,22 +157,22 @@ async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
     monkeypatch.setattr(_engine, "_monotonic", clock)
     loop = asyncio.get_running_loop()
     reactor = _engine._Reactor(loop)
-    futs = [loop.create_future() for _ in range(2000)]
+    futs = [_engine._Future(loop=loop) for _ in range(2000)]
     reactor.deferred.extend(futs)
 
     def woken() -> int:
         return sum(f.done() for f in futs)
 
-    reactor._wake_some()
+    await wake_some(reactor)
     assert woken() == _engine.WAKE_MIN
     clock.now += _engine.WAKE_MIN * 100e-6  # the woken tasks took 100 us each
-    reactor._wake_some()
+    await wake_some(reactor)
     assert woken() == 2 * _engine.WAKE_MIN
     clock.now += _engine.WAKE_MIN * 1e-6  # 1 us each
-    reactor._wake_some()
+    await wake_some(reactor)
     assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX
     clock.now += _engine.WAKE_MAX * 10e-6  # 10 us each: 0.3 ms fits 30
-    reactor._wake_some()
+    await wake_some(reactor)
     assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX + 30
 
 
@@ -175,10 +182,10 @@ async def test_a_cancelled_await_in_a_wake_batch_leaves_the_rest_of_the_batch_wo
     work: its future is cancelled, and the batch it is in still wakes the others."""
     loop = asyncio.get_running_loop()
     reactor = _engine._Reactor(loop)
-    futs = [loop.create_future() for _ in range(3)]
+    futs = [_engine._Future(loop=loop) for _ in range(3)]
     futs[1].cancel()  # what cancelling its task does
     reactor.deferred.extend(futs)
-    reactor._wake_some()
+    await wake_some(reactor)
     assert futs[0].result() is None and futs[2].result() is None
     assert futs[1].cancelled() and not reactor.deferred
 
