@@ -499,7 +499,7 @@ def _wake_batch(futs: list[Any]) -> None:
         try:
             fut.wake()
         except Exception as exc:
-            fut.get_loop().call_exception_handler(
+            fut._loop.call_exception_handler(
                 {
                     "message": "exception in a callback of an asyncgpu await",
                     "exception": exc,

@@ -1203,7 +1203,7 @@ static PyType_Spec queue_spec = {
 /* ---------------------------------------------------------------------------------
  * DirectFuture: the future of one asyncio await of a polled stream, which the
  * engine's reactor completes. It keeps asyncio's future protocol (what a Task
- * and asyncio.wait/gather use: _asyncio_future_blocking, get_loop,
+ * and asyncio.wait/gather use: _asyncio_future_blocking, _loop,
  * add_done_callback, remove_done_callback, cancel, cancelled, done, result,
  * exception, set_result, iteration), and adds wake(): complete it and run its
  * done callbacks at once, in their contexts, instead of through one
@@ -1212,6 +1212,8 @@ static PyType_Spec queue_spec = {
  * a Handle of its own. Everything else (set_result, cancel, a callback added
  * once it is done) schedules the callbacks with loop.call_soon, as asyncio's
  * futures do. Its result is its only value; it never holds an exception.
+ * It has no get_loop(): a Task and asyncio.futures._get_loop fall back to the
+ * _loop member, which spares each await a bound method and a call.
  */
 typedef struct {
     PyObject_HEAD
@@ -1477,12 +1479,6 @@ static PyObject *future_cancelled(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(((DirectFuture *)self)->state == FUT_CANCELLED);
 }
 
-static PyObject *future_get_loop(PyObject *self, PyObject *unused) {
-    PyObject *loop = ((DirectFuture *)self)->loop;
-    Py_INCREF(loop);
-    return loop;
-}
-
 /* The keyword argument `name` of a METH_FASTCALL | METH_KEYWORDS call (borrowed;
  * NULL without an exception if absent, NULL with TypeError for any other). */
 static int keyword_only(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
@@ -1673,7 +1669,6 @@ static PyMethodDef future_methods[] = {
     {"exception", future_exception, METH_NOARGS, "exception(): as asyncio.Future.exception."},
     {"done", future_done, METH_NOARGS, "done(): finished or cancelled."},
     {"cancelled", future_cancelled, METH_NOARGS, "cancelled()"},
-    {"get_loop", future_get_loop, METH_NOARGS, "get_loop(): the loop it belongs to."},
     {"add_done_callback", (PyCFunction)(void (*)(void))future_add_done_callback,
      METH_FASTCALL | METH_KEYWORDS, "add_done_callback(fn, *, context=None)"},
     {"remove_done_callback", future_remove_done_callback, METH_O,

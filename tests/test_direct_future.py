@@ -176,7 +176,7 @@ async def test_a_pending_future_has_neither_result_nor_exception() -> None:
 async def test_asyncio_takes_it_for_a_future_of_its_loop() -> None:
     loop = asyncio.get_running_loop()
     futs = [new(loop) for _ in range(3)]
-    assert all(asyncio.isfuture(f) for f in futs) and futs[0].get_loop() is loop
+    assert all(asyncio.isfuture(f) for f in futs) and futs[0]._loop is loop
     assert asyncio.ensure_future(futs[0]) is futs[0]
     gathered = asyncio.gather(*futs[:2])
     waited = asyncio.ensure_future(asyncio.wait([futs[2]]))
@@ -196,7 +196,7 @@ async def test_a_task_of_another_loop_cannot_await_it() -> None:
         with pytest.raises(RuntimeError, match="attached to a different loop"):
             await asyncio.create_task(_await(fut))
     finally:
-        fut.get_loop().close()
+        fut._loop.close()
 
 
 async def _await(fut: Any) -> None:
@@ -263,7 +263,7 @@ async def test_a_keyboard_interrupt_in_a_batch_propagates_and_leaves_the_rest_sc
 def test_the_constructor_takes_the_loop_alone() -> None:
     loop = asyncio.new_event_loop()
     try:
-        assert _native.DirectFuture(loop).get_loop() is loop
+        assert _native.DirectFuture(loop)._loop is loop
         for args, kw in (
             ((), {}),
             ((loop, loop), {}),
