@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
-from ._accel import c_base
+from ._accel import c_base, native
 from ._errors import AsyncGPUError
 
 if TYPE_CHECKING:
@@ -145,6 +145,38 @@ else:
     _EventBase = c_base("EventCore", _EventFields)
 
 
+def _await_event(ev: DeviceEvent) -> Generator[Any, None, Any]:
+    """The await of an event (``DeviceEvent.__await__``): at once if it is done;
+    else the stream is polled once; else the stream's future of the running
+    asyncio loop, or, outside asyncio, the engine's watcher. With the extension,
+    ``EventCore`` does the same in C and calls this only with no stream or no
+    asyncio loop. (``_wait_on`` and ``_outcome``, inline: the await's hot path.)"""
+    if not ev._done:
+        stream = ev._stream
+        if stream is None:
+            raise AsyncGPUError("this event was never recorded on a stream")
+        if not stream._poll(ev):
+            loop = _get_running_loop()
+            if loop is None:
+                yield from _await_other(ev).__await__()
+            else:
+                fut = stream._future(ev, loop)
+                if fut is not None:
+                    yield from fut
+    if ev._error is not None:
+        raise ev._error
+    return ev._value
+
+
+def _await_future(ev: DeviceEvent, fut: Any) -> Generator[Any, None, Any]:
+    """The rest of an event's await in C whose stream gave a future that is not
+    the extension's ``DirectFuture`` (an ``asyncio.Future``)."""
+    yield from fut
+    if ev._error is not None:
+        raise ev._error
+    return ev._value
+
+
 class DeviceEvent(_EventBase):
     """Completion point of an operation on a stream (``await``-able).
 
@@ -193,23 +225,14 @@ class DeviceEvent(_EventBase):
         if stream is not None:
             stream._watch(self)
 
-    def __await__(self) -> Generator[Any, None, Any]:
-        # (``_wait_on`` and ``_outcome``, inline: the await's hot path)
-        if not self._done:
-            stream = self._stream
-            if stream is None:
-                raise AsyncGPUError("this event was never recorded on a stream")
-            if not stream._poll(self):
-                loop = _get_running_loop()
-                if loop is None:
-                    yield from _await_other(self).__await__()
-                else:
-                    fut = stream._future(self, loop)
-                    if fut is not None:
-                        yield from fut
-        if self._error is not None:
-            raise self._error
-        return self._value
+    # ``await event``: ``_await_event``, or the same in C (``EventCore``'s
+    # ``am_await``, which hands the awaiting task the reactor's future itself).
+    if TYPE_CHECKING:
+
+        def __await__(self) -> Generator[Any, None, Any]: ...
+
+    elif native is None:
+        __await__ = _await_event
 
     def _wait_async(self) -> Generator[Any, None, None]:
         """Wait for completion without returning the outcome."""
@@ -380,3 +403,7 @@ async def _await_other(ev: DeviceEvent) -> None:
 
     ev.add_done_callback(wake)
     await done.wait()
+
+
+if native is not None:
+    native.configure_await(_get_running_loop, _await_event, _await_future)

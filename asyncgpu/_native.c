@@ -748,8 +748,11 @@ static PyMethodDef event_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *event_await(PyObject *self); /* (after DirectFuture, below) */
+
 static PyType_Slot event_slots[] = {
     {Py_tp_methods, event_methods},
+    {Py_am_await, (void *)event_await},
     {Py_tp_new, (void *)event_tp_new},
     {Py_tp_traverse, (void *)event_traverse},
     {Py_tp_clear, (void *)event_clear},
@@ -1221,6 +1224,7 @@ typedef struct {
     PyObject *cb, *cb_ctx; /* the first done callback (the awaiting task's wake-up), its context */
     PyObject *more;        /* a list of (callback, context) for any further ones, or NULL */
     PyObject *result, *cancel_msg;
+    PyObject *event; /* the DeviceEvent whose await it is (event_await), or NULL */
     char state;    /* FUT_PENDING, FUT_DONE or FUT_CANCELLED */
     char blocking; /* _asyncio_future_blocking */
     char yielded;  /* its iterator gave itself to the awaiting task once */
@@ -1266,6 +1270,7 @@ static int future_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(f->more);
     Py_VISIT(f->result);
     Py_VISIT(f->cancel_msg);
+    Py_VISIT(f->event);
     return 0;
 }
 
@@ -1277,6 +1282,7 @@ static int future_clear(PyObject *self) {
     Py_CLEAR(f->more);
     Py_CLEAR(f->result);
     Py_CLEAR(f->cancel_msg);
+    Py_CLEAR(f->event);
     return 0;
 }
 
@@ -1621,8 +1627,35 @@ static PyObject *future_iter(PyObject *self) {
     return self;
 }
 
+/* End an iteration with value v: StopIteration(v) (NULL, an exception set only
+ * when v is not None: none set means the value None). */
+static PyObject *stop_with(PyObject *v) {
+    if (v != NULL && v != Py_None) {
+        PyObject *stop = PyObject_CallFunctionObjArgs(PyExc_StopIteration, v, NULL);
+        if (stop != NULL) {
+            PyErr_SetObject(PyExc_StopIteration, stop);
+            Py_DECREF(stop);
+        }
+    }
+    return NULL;
+}
+
+/* End the await of a finished event: raise its error, else stop with its value. */
+static PyObject *event_outcome(EventCore *ev) {
+    PyObject *e = ev->error;
+    if (e != NULL && e != Py_None) {
+        if (PyExceptionInstance_Check(e))
+            PyErr_SetObject((PyObject *)Py_TYPE(e), e);
+        else
+            PyErr_Format(PyExc_TypeError, "an event's error is not an exception: %R", e);
+        return NULL;
+    }
+    return stop_with(ev->value);
+}
+
 /* The await: give the future itself to the awaiting task once (marked
- * blocking, as asyncio.Future.__await__ does), then end with its result. */
+ * blocking, as asyncio.Future.__await__ does), then end with its result, or,
+ * for the await of an event, with the event's outcome. */
 static PyObject *future_iternext(PyObject *self) {
     DirectFuture *f = (DirectFuture *)self;
     if (f->state == FUT_PENDING) {
@@ -1637,14 +1670,9 @@ static PyObject *future_iternext(PyObject *self) {
     }
     if (f->state == FUT_CANCELLED)
         return raise_cancelled(f);
-    if (f->result != NULL && f->result != Py_None) {
-        PyObject *stop = PyObject_CallFunctionObjArgs(PyExc_StopIteration, f->result, NULL);
-        if (stop != NULL) {
-            PyErr_SetObject(PyExc_StopIteration, stop);
-            Py_DECREF(stop);
-        }
-    }
-    return NULL; /* (no exception set: StopIteration, value None) */
+    if (f->event != NULL)
+        return event_outcome((EventCore *)f->event);
+    return stop_with(f->result);
 }
 
 static PyObject *future_repr(PyObject *self) {
@@ -1699,6 +1727,85 @@ static PyType_Spec future_spec = {
     "asyncgpu._native.DirectFuture", sizeof(DirectFuture), 0,
     Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, future_slots,
 };
+
+/* ---------------------------------------------------------------------------------
+ * The await of a DeviceEvent (EventCore's am_await; _event.py's _await_event is
+ * the same in Python, where the extension is not built): a finished event ends
+ * the await at once; else the stream is polled once; else, under a running
+ * asyncio loop, the stream's _future(event, loop) gives the future to wait on,
+ * and a DirectFuture is itself the await's iterator (it ends with the event's
+ * outcome), with no Python generator between the awaiting task and it. Any
+ * other case (no stream, no asyncio loop, a future of another type) goes to
+ * the Python functions configure_await names.
+ */
+
+/* asyncio._get_running_loop, _event._await_event(event), and
+ * _event._await_future(event, future) (configure_await) */
+static PyObject *running_loop_fn = NULL, *await_event_fn = NULL, *await_future_fn = NULL;
+static PyObject *s_poll, *s_future;
+
+/* A finished iterator that ends with ev's outcome (a DirectFuture that is done
+ * and already yielded; it belongs to no loop). */
+static PyObject *outcome_iter(PyObject *ev) {
+    DirectFuture *f = (DirectFuture *)((allocfunc)PyType_GetSlot(direct_future_type,
+                                                                  Py_tp_alloc))(direct_future_type, 0);
+    if (f == NULL)
+        return NULL;
+    Py_INCREF(Py_None);
+    f->loop = Py_None;
+    Py_INCREF(ev);
+    f->event = ev;
+    f->state = FUT_DONE;
+    f->yielded = 1;
+    return (PyObject *)f;
+}
+
+static PyObject *event_await(PyObject *self) {
+    EventCore *ev = (EventCore *)self;
+    PyObject *r, *loop, *fut;
+    int reached;
+    if (ev->done)
+        return outcome_iter(self);
+    if (await_event_fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "EventCore: configure_await() was not called");
+        return NULL;
+    }
+    if (ev->stream == NULL || ev->stream == Py_None)
+        return PyObject_CallFunctionObjArgs(await_event_fn, self, NULL); /* (raises: never recorded) */
+    r = PyObject_CallMethodObjArgs(ev->stream, s_poll, self, NULL);
+    if (r == NULL)
+        return NULL;
+    reached = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (reached < 0)
+        return NULL;
+    if (reached)
+        return outcome_iter(self);
+    loop = PyObject_CallNoArgs(running_loop_fn);
+    if (loop == NULL)
+        return NULL;
+    if (loop == Py_None) {
+        Py_DECREF(loop);
+        return PyObject_CallFunctionObjArgs(await_event_fn, self, NULL); /* trio, or no loop at all */
+    }
+    fut = PyObject_CallMethodObjArgs(ev->stream, s_future, self, loop, NULL);
+    Py_DECREF(loop);
+    if (fut == NULL)
+        return NULL;
+    if (fut == Py_None) {
+        Py_DECREF(fut);
+        return outcome_iter(self);
+    }
+    if (Py_TYPE(fut) == direct_future_type && ((DirectFuture *)fut)->event == NULL &&
+        !((DirectFuture *)fut)->yielded) {
+        Py_INCREF(self);
+        ((DirectFuture *)fut)->event = self;
+        return fut;
+    }
+    r = PyObject_CallFunctionObjArgs(await_future_fn, self, fut, NULL);
+    Py_DECREF(fut);
+    return r;
+}
 
 /* ---------------------------------------------------------------------------------
  * StreamCore: the bookkeeping fields of a polled stream (_PolledStream and
@@ -3701,6 +3808,24 @@ static PyObject *configure_futures(PyObject *self, PyObject *const *args, Py_ssi
     Py_RETURN_NONE;
 }
 
+/* configure_await(get_running_loop, await_event, await_future): what an
+ * EventCore's await calls (see event_await). */
+static PyObject *configure_await(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 3 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1]) ||
+        !PyCallable_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure_await(get_running_loop, await_event, await_future)");
+        return NULL;
+    }
+    Py_INCREF(args[0]);
+    replace_ref(&running_loop_fn, args[0]);
+    Py_INCREF(args[1]);
+    replace_ref(&await_event_fn, args[1]);
+    Py_INCREF(args[2]);
+    replace_ref(&await_future_fn, args[2]);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(launch_entry, write64_entry[, record_entry, query_entry]) -> the previous "
@@ -3726,6 +3851,10 @@ static PyMethodDef methods[] = {
     {"configure_futures", (PyCFunction)(void (*)(void))configure_futures, METH_FASTCALL,
      "configure_futures(copy_context, cancelled_error, invalid_state_error): what a "
      "DirectFuture calls and raises."},
+    {"configure_await", (PyCFunction)(void (*)(void))configure_await, METH_FASTCALL,
+     "configure_await(get_running_loop, await_event, await_future): what an event's await "
+     "calls: asyncio._get_running_loop, and the Python awaits of an event (no stream, no "
+     "asyncio loop) and of an event behind a future that is not a DirectFuture."},
     {"set_exiting", set_exiting, METH_O,
      "set_exiting(flag): the interpreter is exiting: dropped buffers keep no memory."},
     {NULL, NULL, 0, NULL},
@@ -3742,6 +3871,8 @@ static PyObject *intern(const char *s) { return PyUnicode_InternFromString(s); }
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m;
     s_ptr = intern("_ptr");
+    s_poll = intern("_poll");
+    s_future = intern("_future");
     s_alloc = intern("_alloc");
     s_ctx = intern("_ctx");
     s_state = intern("_state");

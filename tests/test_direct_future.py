@@ -299,3 +299,102 @@ def test_the_collector_sees_through_its_callbacks() -> None:
         assert ref() is None
     finally:
         loop.close()
+
+
+# -- the await of a DeviceEvent in C (EventCore's am_await) ----------------------------
+
+
+class _Stream:
+    """A stream that answers the event's await as the test says: _poll's answer
+    and the future _future hands out."""
+
+    def __init__(self, reached: bool = False, fut: Any = None) -> None:
+        self.reached = reached
+        self.fut = fut
+        self.polls = 0
+
+    def _poll(self, ev: Any) -> bool:
+        self.polls += 1
+        return self.reached
+
+    def _future(self, ev: Any, loop: asyncio.AbstractEventLoop) -> Any:
+        return self.fut
+
+
+def _event(stream: Any = None) -> Any:
+    from asyncgpu._event import DeviceEvent
+
+    return DeviceEvent(stream, 1)
+
+
+@pytest.mark.asyncio
+async def test_awaiting_a_finished_event_returns_its_value_without_asking_the_stream() -> None:
+    stream = _Stream()
+    ev = _event(stream)
+    ev._finish((1, 2))
+    assert await ev == (1, 2)  # (a tuple stays one value)
+    failed = _event(stream)
+    failed._finish(None, ValueError("the operation's error"))
+    with pytest.raises(ValueError, match="the operation's error"):
+        await failed
+    assert stream.polls == 0
+
+
+@pytest.mark.asyncio
+async def test_an_event_the_stream_reports_finished_ends_the_await_at_once() -> None:
+    ev = _event(_Stream(reached=True))
+    ev._finish("value")
+    ev._done = False  # (as a stream whose _poll retires it: the outcome is stored)
+    assert await ev == "value"
+
+
+@pytest.mark.asyncio
+async def test_a_pending_event_hands_the_task_the_reactors_future_and_ends_with_its_outcome() -> (
+    None
+):
+    loop = asyncio.get_running_loop()
+    fut = new(loop)
+    ev = _event(_Stream(fut=fut))
+    task = asyncio.ensure_future(_await(ev))
+    await asyncio.sleep(0)
+    assert task.get_coro().cr_await is fut  # no generator between the task and it
+    ev._finish("the event's value")
+    await in_callback(lambda: _engine._wake_batch([fut]))
+    assert task.result() is None and fut.result() is None
+
+    async def value_of(e: Any) -> Any:
+        return await e
+
+    fut2 = new(loop)
+    ev2 = _event(_Stream(fut=fut2))
+    task2 = asyncio.ensure_future(value_of(ev2))
+    await asyncio.sleep(0)
+    ev2._finish(None, KeyError("device error"))
+    await in_callback(lambda: _engine._wake_batch([fut2]))
+    with pytest.raises(KeyError, match="device error"):
+        await task2
+
+
+@pytest.mark.asyncio
+async def test_an_asyncio_future_from_the_stream_is_awaited_then_the_event_ends_the_await() -> None:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    ev = _event(_Stream(fut=fut))
+
+    async def value_of(e: Any) -> Any:
+        return await e
+
+    task = asyncio.ensure_future(value_of(ev))
+    await asyncio.sleep(0)
+    assert not task.done()
+    ev._finish([3])
+    fut.set_result("the future's own result is not the await's")
+    assert await task == [3]
+
+
+@pytest.mark.asyncio
+async def test_awaiting_an_event_never_recorded_raises_at_the_await() -> None:
+    from asyncgpu import AsyncGPUError
+
+    with pytest.raises(AsyncGPUError, match="never recorded"):
+        await _event()
