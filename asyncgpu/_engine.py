@@ -59,7 +59,7 @@ __all__ = ["cpu_pool", "polled_future", "pool_size", "reactor_for", "watcher"]
 
 SPIN_S = 0.0005  # keep polling every loop iteration this long after the last progress
 PARK_S = 0.001  # then poll on a timer this often, backing off up to PARK_MAX_S
-PARK_MAX_S = 0.004
+PARK_MAX_S = 0.008  # (each timer wake-up costs ~0.1-0.2 ms of CPU in the OS and asyncio)
 FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
 # Futures a reactor completes per loop iteration: as many woken tasks as fit in
 # ITERATION_S, judged by the last iteration's time per woken task, within
@@ -314,7 +314,7 @@ class _Reactor:
             # Parked on a timer: poll now instead, and keep polling every
             # iteration for SPIN_S, as after progress (else the reactor would
             # park again at once, and work that takes longer than the await's
-            # inline spin would be seen only when the 1-4 ms timer fires).
+            # inline spin would be seen only when the 1-8 ms timer fires).
             self.kicked = True
             _set_future(self.park)
         return fut
@@ -464,8 +464,9 @@ class _Reactor:
                         last = _monotonic()
                         await sleep(0)
                         continue
-                # Park on a timer, longer the longer nothing has moved (a 200 ms
-                # kernel is noticed within ~4 ms, at ~0.5% of a core); a new await
+                # Park on a timer, longer the longer nothing has moved (at most a
+                # tenth of the time since the last progress, so a 200 ms kernel
+                # is noticed within ~8 ms, 4% of its time); a new await
                 # (``add``) ends the park at once.
                 park = self.park = loop.create_future()
                 timer = loop.call_later(
