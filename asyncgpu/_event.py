@@ -172,9 +172,7 @@ def _await_future(ev: DeviceEvent, fut: Any) -> Generator[Any, None, Any]:
     """The rest of an event's await in C whose stream gave a future that is not
     the extension's ``DirectFuture`` (an ``asyncio.Future``)."""
     yield from fut
-    if ev._error is not None:
-        raise ev._error
-    return ev._value
+    return ev._outcome()
 
 
 class DeviceEvent(_EventBase):

@@ -3790,6 +3790,15 @@ static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t n) 
     Py_RETURN_NONE;
 }
 
+/* Keep new references to args[0..n) in *slots[0..n), dropping what they held. */
+static void keep_refs(PyObject **const slots[], PyObject *const *args, Py_ssize_t n) {
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        Py_INCREF(args[i]);
+        replace_ref(slots[i], args[i]);
+    }
+}
+
 /* configure_futures(copy_context, cancelled_error, invalid_state_error): what a
  * DirectFuture calls and raises (contextvars.copy_context,
  * asyncio.CancelledError, asyncio.InvalidStateError). */
@@ -3799,12 +3808,8 @@ static PyObject *configure_futures(PyObject *self, PyObject *const *args, Py_ssi
                                          "invalid_state_error)");
         return NULL;
     }
-    Py_INCREF(args[0]);
-    replace_ref(&copy_context_fn, args[0]);
-    Py_INCREF(args[1]);
-    replace_ref(&cancelled_error, args[1]);
-    Py_INCREF(args[2]);
-    replace_ref(&invalid_state_error, args[2]);
+    PyObject **const slots[] = {&copy_context_fn, &cancelled_error, &invalid_state_error};
+    keep_refs(slots, args, 3);
     Py_RETURN_NONE;
 }
 
@@ -3817,12 +3822,8 @@ static PyObject *configure_await(PyObject *self, PyObject *const *args, Py_ssize
                         "configure_await(get_running_loop, await_event, await_future)");
         return NULL;
     }
-    Py_INCREF(args[0]);
-    replace_ref(&running_loop_fn, args[0]);
-    Py_INCREF(args[1]);
-    replace_ref(&await_event_fn, args[1]);
-    Py_INCREF(args[2]);
-    replace_ref(&await_future_fn, args[2]);
+    PyObject **const slots[] = {&running_loop_fn, &await_event_fn, &await_future_fn};
+    keep_refs(slots, args, 3);
     Py_RETURN_NONE;
 }
 
