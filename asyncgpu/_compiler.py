@@ -15,7 +15,7 @@ symbol looked up in the cubin's ELF symbol table after compiling (a C++-mangled
 Caching
 -------
 Two levels, both keyed by source, kernel name, the final NVRTC flags, the
-architecture and the NVRTC version:
+architecture and the NVRTC that compiles:
 
 * in-process: a dict from the call's own arguments to the finished
   ``CompiledModule``; a repeat call is one dictionary lookup.
@@ -27,12 +27,14 @@ architecture and the NVRTC version:
 A hit costs no NVRTC call and imports nothing from cuda-python (importing
 ``cuda.core`` alone costs more than compiling a small kernel, which is why the
 disk cache is files of our own rather than ``cuda.core.utils.FileStreamProgramCache``).
-The NVRTC version in the key is found without loading NVRTC where that is
-safe: the NVRTC library of the ``nvidia-cuda-nvrtc`` wheel is located by path
-and its (path, size, mtime) fingerprint is mapped to the version in a small
-file beside the cache entries, written once after NVRTC was really loaded from
-that very file. Where NVRTC comes from elsewhere (a system CUDA toolkit, conda)
-the first lookup in a process loads NVRTC to ask ``nvrtcVersion``.
+The NVRTC in the key is named without loading NVRTC where that is safe: the
+NVRTC library of the ``nvidia-cuda-nvrtc`` wheel is located by ``stat`` alone,
+and an entry compiled by NVRTC loaded from that very file is keyed by the
+file's (path, size, mtime), so a fresh process finds it with one file read.
+Where NVRTC comes from elsewhere (a system CUDA toolkit, conda), entries are
+keyed by the NVRTC version, and the first lookup in a process loads NVRTC to ask
+``nvrtcVersion`` (an entry of that kind found while the wheel's NVRTC is the
+one loaded is copied under the file's key, once).
 
 Files pulled in by ``#include`` from disk (``-I`` paths, system headers) are not
 part of the key: after editing such a header, pass ``use_cache=False`` or
@@ -108,12 +110,18 @@ def default_cache_dir() -> Path:
 
     Pure path arithmetic (no NVRTC or driver call); the directory is created on
     the first write, not here."""
+    return Path(_default_cache_dir())
+
+
+def _default_cache_dir() -> str:
+    """``default_cache_dir()`` as a str, with ``os.path`` (a fresh process's
+    first cache lookup: pathlib's first use costs more than the lookup)."""
     explicit = os.environ.get("ASYNCGPU_CACHE_DIR")
     if explicit:
-        return Path(explicit).expanduser()
+        return os.path.expanduser(explicit)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "asyncgpu" / "kernels"
+    base = os.path.expanduser(xdg) if xdg else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "asyncgpu", "kernels")
 
 
 # --------------------------------------------------------------------------- NVRTC loading
@@ -173,8 +181,7 @@ _WHEEL_LIBS = (
 
 _fingerprint: tuple[str, int, int] | None = None
 _fingerprint_searched = False
-_versions_by_dir: dict[str, tuple[int, int]] = {}
-_memo_written: set[str] = set()
+_loaded_is_wheel: bool | None = None  # the loaded NVRTC is the fingerprinted file
 
 
 def _wheel_nvrtc_fingerprint() -> tuple[str, int, int] | None:
@@ -201,54 +208,33 @@ def _wheel_nvrtc_fingerprint() -> tuple[str, int, int] | None:
     return found
 
 
-def _memo_path(cache_dir: str, fp: tuple[str, int, int]) -> str:
-    digest = hashlib.sha256(repr(fp).encode()).hexdigest()[:32]
-    return os.path.join(cache_dir, f"nvrtc-{digest}.version")
-
-
-def _version_for_key(cache_dir: str | None) -> tuple[int, int]:
-    """The NVRTC version for cache keys, without loading NVRTC where a version
-    memo for the wheel's library file exists in ``cache_dir``."""
-    if _real_version is not None:
-        return _real_version
-    if cache_dir is not None:
-        known = _versions_by_dir.get(cache_dir)
-        if known is not None:
-            return known
-        fp = _wheel_nvrtc_fingerprint()
-        if fp is not None:
-            try:
-                with open(_memo_path(cache_dir, fp), "rb") as f:
-                    major, minor = f.read().split(b".")
-                version = (int(major), int(minor))
-            except (OSError, ValueError):
-                pass
-            else:
-                _versions_by_dir[cache_dir] = version
-                return version
-    return nvrtc_version()
-
-
-def _write_version_memo(cache_dir: str) -> None:
-    """Record fingerprint -> version, only if the NVRTC this process loaded is
-    the very file the fingerprint names."""
-    if cache_dir in _memo_written or _real_version is None:
-        return
-    _memo_written.add(cache_dir)
+def _file_tag() -> str | None:
+    """The compiler part of a key that names the wheel's NVRTC file, while that
+    file is the NVRTC this process compiles with: the one loaded, or, before
+    NVRTC is loaded, the one cuda.pathfinder will load (it looks in the wheels
+    first). None otherwise."""
+    global _loaded_is_wheel
     fp = _wheel_nvrtc_fingerprint()
     if fp is None:
-        return
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
+        return None
+    if _real_version is not None:
+        if _loaded_is_wheel is None:
+            try:
+                from cuda.pathfinder import load_nvidia_dynamic_lib
 
-        loaded = load_nvidia_dynamic_lib("nvrtc")  # cached: returns the loaded library
-        if os.path.realpath(loaded.abs_path) != os.path.realpath(fp[0]):
-            return
-    except Exception:
-        return
-    text = f"{_real_version[0]}.{_real_version[1]}\n".encode("ascii")
-    _atomic_write(_memo_path(cache_dir, fp), text)
-    _versions_by_dir[cache_dir] = _real_version
+                loaded = load_nvidia_dynamic_lib("nvrtc")  # cached: the loaded library
+                _loaded_is_wheel = os.path.realpath(loaded.abs_path) == os.path.realpath(fp[0])
+            except Exception:
+                _loaded_is_wheel = False
+        if not _loaded_is_wheel:
+            return None
+    return f"nvrtc-file {fp[0]} {fp[1]} {fp[2]}"
+
+
+def _version_tag() -> str:
+    """The compiler part of a key that names the NVRTC version (loads NVRTC)."""
+    major, minor = nvrtc_version()
+    return f"nvrtc {major}.{minor}"
 
 
 # --------------------------------------------------------------------------- options
@@ -308,13 +294,11 @@ _HEADER = struct.Struct("<8s32sQQQI")
 _NO_PTX = (1 << 64) - 1
 
 
-def _disk_key(
-    source: str, name: str, opts: tuple[str, ...], arch: str, version: tuple[int, int]
-) -> bytes:
+def _disk_key(source: str, name: str, opts: tuple[str, ...], arch: str, compiler: str) -> bytes:
     h = hashlib.sha256()
     for part in (
         _SCHEMA,
-        f"nvrtc {version[0]}.{version[1]}".encode(),
+        compiler.encode(),
         arch.encode(),
         name.encode(),
         "\0".join(opts).encode(),
@@ -323,6 +307,31 @@ def _disk_key(
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.digest()
+
+
+def _disk_lookup(
+    directory: str, source: str, name: str, opts: tuple[str, ...], arch: str, want_ptx: bool
+) -> tuple[bytes, str | None, str] | None:
+    """(cubin, ptx, log) of the entry in ``directory`` for this compilation, or
+    None: first the entry keyed by the wheel's NVRTC file (no NVRTC load), then
+    the one keyed by the NVRTC version (loads NVRTC; found while the wheel's
+    NVRTC is the one loaded, it is copied under the file's key)."""
+    tag = _file_tag()
+    if tag is not None:
+        key = _disk_key(source, name, opts, arch, tag)
+        entry = _read_entry(_entry_path(directory, key), key, want_ptx)
+        if entry is not None:
+            return entry
+    key = _disk_key(source, name, opts, arch, _version_tag())
+    entry = _read_entry(_entry_path(directory, key), key, want_ptx, keep_ptx=True)
+    if entry is None:
+        return None
+    tag = _file_tag()  # (NVRTC is loaded now)
+    if tag is not None:
+        key = _disk_key(source, name, opts, arch, tag)
+        _atomic_write(_entry_path(directory, key), _pack_entry(key, *entry))
+    cubin, ptx, log = entry
+    return cubin, ptx if want_ptx else None, log
 
 
 def _entry_path(cache_dir: str, key: bytes) -> str:
@@ -344,9 +353,12 @@ def _pack_entry(key: bytes, cubin: bytes, ptx: str | None, log: str) -> bytes:
     return header + payload
 
 
-def _read_entry(path: str, key: bytes, want_ptx: bool) -> tuple[bytes, str | None, str] | None:
+def _read_entry(
+    path: str, key: bytes, want_ptx: bool, keep_ptx: bool = False
+) -> tuple[bytes, str | None, str] | None:
     """(cubin, ptx, log) from a verified entry, or None for a miss (absent,
-    torn, corrupt, or without the PTX that was asked for)."""
+    torn, corrupt, or without the PTX that was asked for). The PTX is None
+    unless asked for, or ``keep_ptx`` and the entry has it."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -367,7 +379,8 @@ def _read_entry(path: str, key: bytes, want_ptx: bool) -> tuple[bytes, str | Non
     if zlib.crc32(payload) != crc:
         return None
     cubin = bytes(payload[:n_cubin])
-    ptx = bytes(payload[n_cubin : n_cubin + n_ptx_bytes]).decode("utf-8") if want_ptx else None
+    read_ptx = want_ptx or (keep_ptx and has_ptx)
+    ptx = bytes(payload[n_cubin : n_cubin + n_ptx_bytes]).decode("utf-8") if read_ptx else None
     log = bytes(payload[n_cubin + n_ptx_bytes :]).decode("utf-8")
     return cubin, ptx, log
 
@@ -593,10 +606,8 @@ def compile_cuda(
             hit = _memory.get(full_key)
             if hit is not None:
                 return hit
-            directory = os.fspath(cache_dir) if cache_dir is not None else str(default_cache_dir())
-            version = _version_for_key(directory)
-            key = _disk_key(source, name, opts, arch, version)
-            entry = _read_entry(_entry_path(directory, key), key, want_ptx)
+            directory = os.fspath(cache_dir) if cache_dir is not None else _default_cache_dir()
+            entry = _disk_lookup(directory, source, name, opts, arch, want_ptx)
             if entry is not None:
                 module = CompiledModule(name, arch, *entry, cache_hit=True)
                 with _memory_lock:
@@ -607,12 +618,9 @@ def compile_cuda(
             # kernel (``compile_function`` reads the signature from it) then hits too.
             cubin, ptx, log = _nvrtc_compile(source, name, arch, opts, True)
             module = CompiledModule(name, arch, cubin, ptx if want_ptx else None, log, False)
-            real = nvrtc_version()
-            if real != version:  # a stale version memo: key by the NVRTC that compiled
-                key = _disk_key(source, name, opts, arch, real)
-            if _atomic_write(_entry_path(directory, key), _pack_entry(key, cubin, ptx, log)):
-                _write_version_memo(directory)
-            elif directory not in _warned_dirs:
+            key = _disk_key(source, name, opts, arch, _file_tag() or _version_tag())
+            written = _atomic_write(_entry_path(directory, key), _pack_entry(key, cubin, ptx, log))
+            if not written and directory not in _warned_dirs:
                 _warned_dirs.add(directory)
                 import warnings
 

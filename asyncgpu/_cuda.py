@@ -1062,8 +1062,17 @@ class CudaStream(_PolledStream):
         """A timing event recorded here (``cuEventRecord``, in stream order, held
         or not): where the device was when the operation just enqueued ended.
         Read back with ``CudaBackend.stamp_ns``; never blocks."""
-        e = self.backend.new_stamp()
-        self.record_raw(e)
+        backend = self.backend
+        free = backend._free_stamps
+        e = free.pop() if free else backend.new_stamp()
+        with self._submit_lock:  # (record_raw and _issue inlined: a traced op's hot path)
+            if self._pending is None:
+                err = cu.cuEventRecord(e, self.raw)[0]
+                if err != _SUCCESS:
+                    free.append(e)
+                    raise _error(err, "cuEventRecord")
+            else:
+                self._pending.append((0, partial(_record, e, self.raw)))
         return e
 
     def record_raw(self, e: Any) -> None:

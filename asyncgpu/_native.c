@@ -3038,7 +3038,7 @@ static int exiting = 0;              /* the interpreter is exiting (set_exiting(
 #define DTYPE_CACHE_MAX 256
 static PyObject *s_release_memory, *s_open, *s_trace, *s_grid_dim, *s_block_dim,
     *s_launch, *s_alloc_ptr, *s_itemsize, *s_general_function, *s_general_create, *empty_tuple,
-    *s_backend, *s_alloc_device;
+    *s_backend, *s_alloc_device, *s_record, *s_kernel, *s_name;
 
 /* A dropped buffer that owns memory: a device allocation of a CUDA stream goes
  * back to the stream's kept buffers here, without Python, when the stream keeps
@@ -3281,6 +3281,31 @@ static int untraced(PyObject *state) {
     return rc;
 }
 
+/* While tracing: the trace of `state` records the launch `ev` of the function
+ * `fn` (Trace.record(impl, ev, "kernel", fn.name), as the general path does).
+ * 0, or -1 with an exception. */
+static int trace_launch(PyObject *state, PyObject *impl, PyObject *fn, PyObject *ev) {
+    PyObject *trace, *name, *r;
+    if (is_a(state, state_core_type, state_core_seen)) {
+        trace = ((StateCore *)state)->trace;
+        Py_XINCREF(trace);
+    } else {
+        trace = PyObject_GetAttr(state, s_trace);
+    }
+    if (trace == NULL)
+        return -1;
+    if (trace == Py_None) { /* (no longer tracing: another thread ended it) */
+        Py_DECREF(trace);
+        return 0;
+    }
+    name = PyObject_GetAttr(fn, s_name);
+    r = name == NULL ? NULL : PyObject_CallMethodObjArgs(trace, s_record, impl, ev, s_kernel, name, NULL);
+    Py_XDECREF(name);
+    Py_DECREF(trace);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
 /* The Python method `name` of self, called with the same arguments. */
 static PyObject *call_general(PyObject *self, PyObject *name, PyObject *const *args,
                               Py_ssize_t n, PyObject *kwnames) {
@@ -3389,14 +3414,14 @@ static PyObject *cached_config(FunctionCore *f, PyObject *grid, PyObject *block)
 /* enqueue_function's fast path: a new event, Py_None (a new reference: the
  * general path takes the call), or NULL with an exception. It takes a
  * DeviceFunction of this context launched with grid_dim and block_dim alone
- * (ints or tuples of ints), whose launch configuration for them is cached,
- * while nothing is traced. */
+ * (ints or tuples of ints), whose launch configuration for them is cached.
+ * While tracing, the trace records the launch after it (trace_launch). */
 static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t n,
                                PyObject *kwnames) {
     PyObject *grid = NULL, *block = NULL, *cfg, *argt, *ev;
     FunctionCore *f;
     Py_ssize_t i;
-    int rc;
+    int rc, traced;
     if (n < 1 || kwnames == NULL || function_type == NULL || PyTuple_Size(kwnames) != 2)
         Py_RETURN_NONE;
     for (i = 0; i < 2; i++) {
@@ -3417,10 +3442,10 @@ static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t
     if (f->ctx == NULL || !is_a(f->ctx, context_core_type, context_core_seen) ||
         ((ContextCore *)f->ctx)->state != c->state)
         Py_RETURN_NONE;
-    /* nothing traced (the general path records the launch) */
     rc = untraced(c->state);
-    if (rc <= 0)
-        return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
+    if (rc < 0)
+        return NULL;
+    traced = rc == 0;
     cfg = cached_config(f, grid, block);
     if (cfg == NULL)
         return PyErr_Occurred() ? NULL : (Py_INCREF(Py_None), Py_None);
@@ -3445,6 +3470,8 @@ static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t
     }
     Py_DECREF(argt);
     Py_DECREF(cfg);
+    if (traced && ev != NULL && trace_launch(c->state, c->impl, args[0], ev) < 0)
+        Py_CLEAR(ev);
     return ev;
 }
 
@@ -3911,6 +3938,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_general_create = intern("_enqueue_create_buffer");
     s_backend = intern("backend");
     s_alloc_device = intern("alloc_device");
+    s_record = intern("record");
+    s_kernel = intern("kernel");
+    s_name = intern("name");
     s_call_soon = intern("call_soon");
     s_run = intern("run");
     s_context = intern("context");
@@ -3925,7 +3955,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         !s_codes || !s_addr || !s_pointers || !s_release_memory || !s_open || !s_trace ||
         !s_grid_dim || !s_block_dim || !s_launch || !s_alloc_ptr || !s_itemsize ||
         !s_general_function || !s_general_create || !empty_tuple || !dtype_cache ||
-        !s_call_soon || !s_run || !s_context || !s_msg || !s_loop)
+        !s_call_soon || !s_run || !s_context || !s_msg || !s_loop || !s_record || !s_kernel ||
+        !s_name)
         return NULL;
     event_core_type = (PyTypeObject *)PyType_FromSpec(&event_spec);
     if (event_core_type == NULL)

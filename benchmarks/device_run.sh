@@ -6,9 +6,10 @@
 #                [--gdb=tests/test_x.py] (also: that file under cuda-gdb, for a native backtrace)
 #                [--probe] (also: benchmarks/probe_driver.py: the driver calls' host cost, the
 #                layers of a launch, the copy/kernel pipeline by kind of marker; and
-#                benchmarks/probe_await.py: where the time of an awaited launch goes)
+#                benchmarks/probe_await.py: where the time of an awaited launch goes;
+#                benchmarks/probe_trace.py: where a traced launch's time goes)
 # Writes under $OUT (at most 8 files): env.txt, tests.log (with memcheck's log), tests.json,
-# bench.json, bench.log, probe.json (with probe_await's figures under "await"), soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
+# bench.json, bench.log, probe.json (with probe_await's and probe_trace's figures under "await" and "trace"), soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 # The H200 image lacks some test dependencies; carry them as wheels (device tool: carry .whl,
 # and asyncgpu/_native.abi3.so built here by `pip install -e .`):
 #   ../shared/tools/device-wheels pytest-asyncio==1.5.0 trio==0.32.0 outcome==1.3.0.post0 sniffio==1.3.1
@@ -135,13 +136,15 @@ if [ "$MODE" != tests ]; then
       # The device tool brings back at most 8 files: probe_await's figures go into
       # probe.json under the key "await".
       timeout 60 python3 benchmarks/probe_await.py --json /tmp/probe-await.json 2>&1 | tail -14
-      python3 - "$OUT/probe.json" /tmp/probe-await.json <<'PY'
+      timeout 60 python3 benchmarks/probe_trace.py --json /tmp/probe-trace.json 2>&1 | tail -16
+      python3 - "$OUT/probe.json" /tmp/probe-await.json /tmp/probe-trace.json <<'PY'
 import json, sys
 probe = json.load(open(sys.argv[1])) if __import__("os").path.exists(sys.argv[1]) else {}
-try:
-    probe["await"] = json.load(open(sys.argv[2]))
-except OSError as e:
-    probe["await"] = {"error": str(e)}
+for key, path in (("await", sys.argv[2]), ("trace", sys.argv[3])):
+    try:
+        probe[key] = json.load(open(path))
+    except OSError as e:
+        probe[key] = {"error": str(e)}
 json.dump(probe, open(sys.argv[1], "w"), indent=1)
 PY
     fi

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncgpu import _compiler
 from asyncgpu._compiler import (
     CompiledModule,
     clear_memory_cache,
@@ -252,6 +253,46 @@ def test_a_fresh_process_is_served_from_disk_without_loading_nvrtc(tmp_path):
     assert there["ptx"] == here.ptx
     assert there["log"] == here.log  # ptxas -v info survives the cache
     assert there["cuda_modules_imported"] == []  # a hit needs no NVRTC, not even cuda-python
+
+
+needs_nvrtc_wheel = pytest.mark.skipif(
+    _compiler._wheel_nvrtc_fingerprint() is None, reason="NVRTC does not come from a wheel here"
+)
+
+
+@needs_nvrtc
+@needs_nvrtc_wheel
+def test_an_entry_keyed_by_the_nvrtc_version_is_a_hit_and_is_copied_under_the_files_key(
+    tmp_path, monkeypatch
+):
+    # As a cache written where NVRTC came from elsewhere (or before entries were
+    # keyed by the wheel's file) has it: keyed by the version alone.
+    with monkeypatch.context() as m:
+        m.setattr(_compiler, "_file_tag", lambda: None)
+        first = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    assert len(kernel_files(tmp_path)) == 1
+    clear_memory_cache()
+
+    again = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)  # the version's entry
+    assert again.cache_hit is True and again.cubin == first.cubin
+    assert len(kernel_files(tmp_path)) == 2  # ... now also under the file's key
+
+    there = run_fresh_python(FRESH_PROCESS_COMPILE.format(src=AXPY, options=""), tmp_path)
+    assert there["cache_hit"] is True and there["cuda_modules_imported"] == []
+
+
+@needs_nvrtc
+@needs_nvrtc_wheel
+def test_entries_are_keyed_by_the_version_when_the_loaded_nvrtc_is_not_the_wheels(
+    tmp_path, monkeypatch
+):
+    nvrtc_version()  # (loaded)
+    monkeypatch.setattr(_compiler, "_loaded_is_wheel", False)
+    assert _compiler._file_tag() is None
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
+    opts = _compiler._final_options((), "sm_90")
+    by_version = _compiler._disk_key(AXPY, "axpy", opts, "sm_90", _compiler._version_tag())
+    assert [p.name for p in kernel_files(tmp_path)] == [f"{by_version.hex()}.kernel"]
 
 
 @needs_nvrtc

@@ -172,7 +172,7 @@ def test_any_other_launch_reaches_the_python_method_unchanged(setup: Setup, kwar
     assert setup.driver.launches == []
 
 
-def test_a_closed_context_traced_context_or_foreign_function_goes_to_the_python_method(
+def test_a_closed_context_or_foreign_function_goes_to_the_python_method(
     setup: Setup,
 ) -> None:
     setup.plan((), b"")
@@ -183,17 +183,45 @@ def test_a_closed_context_traced_context_or_foreign_function_goes_to_the_python_
     ctx._ref.open = False  # this handle was closed, the state lives on
     ctx.enqueue_function(setup.fn, grid_dim=4, block_dim=256)
     ctx._ref.open = True
-    ctx._state.trace = object()
-    ctx.enqueue_function(setup.fn, grid_dim=4, block_dim=256)
-    ctx._state.trace = None
     other = object.__new__(DeviceContext)
     other._state, other._ref, other._impl = SimpleNamespace(closed=False), _Ref(), ctx._impl
     foreign = DeviceFunction(other, "k", setup.kernel)
     foreign._cfgs.update(setup.fn._cfgs)
     ctx.enqueue_function(foreign, grid_dim=4, block_dim=256)
     ctx.enqueue_function("a kernel by source", grid_dim=4, block_dim=256)
-    assert [g[0] for g in setup.general] == ["function"] * 5
+    assert [g[0] for g in setup.general] == ["function"] * 4
     assert setup.driver.launches == []
+
+
+class _RecordingTrace:
+    """What the launch's fast path calls of a trace: ``record``."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.records: list[tuple[Any, ...]] = []
+        self.fail = fail
+
+    def record(self, *args: Any) -> None:
+        self.records.append(args)
+        if self.fail:
+            raise RuntimeError("the trace failed")
+
+
+def test_a_traced_launch_takes_the_fast_path_and_the_trace_records_it(setup: Setup) -> None:
+    setup.plan((), b"")
+    ctx = setup.ctx
+    ctx._state.trace = trace = _RecordingTrace()
+    ev = ctx.enqueue_function(setup.fn, grid_dim=4, block_dim=256)
+    assert setup.general == [] and len(setup.driver.launches) == 1
+    assert trace.records == [(ctx._impl, ev, "kernel", setup.fn.name)]
+
+
+def test_a_trace_that_fails_to_record_raises_from_the_launch_it_followed(setup: Setup) -> None:
+    setup.plan((), b"")
+    ctx = setup.ctx
+    ctx._state.trace = _RecordingTrace(fail=True)
+    with pytest.raises(RuntimeError, match="the trace failed"):
+        ctx.enqueue_function(setup.fn, grid_dim=4, block_dim=256)
+    assert len(setup.driver.launches) == 1  # (as on the general path: launched, then traced)
 
 
 def test_a_buffer_of_a_closed_context_is_not_taken_for_one_of_the_launching_context(

@@ -244,6 +244,67 @@ def test_cuda_device_times_measure_the_kernels(api: str) -> None:
     assert b.device_start_ns == a.device_end_ns and b.device_end_ns > a.device_end_ns
 
 
+def test_host_times_only_takes_no_device_stamp() -> None:
+    clock = _DeviceClock()
+    s = _ClockedStream("gpu:0/s0", clock)
+    t = Trace(device_stamps=False)
+    node = t.record(s, DeviceEvent(None, 1), "kernel")
+    assert s.stamps == 0 and not t._origins  # no timing event, no clock mapping
+    t.device_times()
+    assert node.device_start_ns is None and node.device_end_ns is None
+
+
+def test_trace_takes_device_times_as_a_bool(ctx: DeviceContext) -> None:
+    with pytest.raises(TypeError, match="device_times must be a bool"), ctx.trace(device_times=1):  # type: ignore[arg-type]
+        pass
+
+
+def test_cuda_host_times_only_leaves_the_device_times_empty(api: str) -> None:
+    if api != "cuda":
+        pytest.skip("device timestamps are CUDA's")
+    with DeviceContext(api="cuda") as c:
+        f = c.compile_function('extern "C" __global__ void empty() {}', "empty")
+        with c.trace(device_times=False) as t:
+            ev = c.enqueue_function(f, grid_dim=1, block_dim=1)
+            c.synchronize()
+        n = t.node_of(ev)
+    assert n is not None and n.kind == "kernel" and n.label == "empty"
+    assert n.end_ns is not None and n.device_end_ns is None and not t._stamps
+
+
+def test_a_wait_for_an_event_of_an_earlier_trace_draws_no_edge(ctx: DeviceContext) -> None:
+    """Edges come from the nodes of this trace only: an event traced before (its
+    node belongs to another trace) is not a source, whatever its node's id."""
+    s1 = ctx.select_stream(1)
+    with ctx.trace() as old:
+        before = ctx.enqueue_cpu_function(lambda: 0)
+    with ctx.trace() as t:
+        ctx.enqueue_cpu_function(lambda: 1)  # node 0 here, as `before` was there
+        waited = s1.enqueue_wait_for(before)
+        s1.synchronize()
+    assert old.node_of(before).id == 0
+    w = t.node_of(waited)
+    assert w is not None and w.deps == [] and t.edges == []
+
+
+def test_a_kernel_launched_while_tracing_is_recorded_once(ctx: DeviceContext) -> None:
+    """The same launch, repeated, is one node per launch (the launch's fast path
+    records it while tracing, the general path otherwise)."""
+    buf = ctx.enqueue_create_buffer(np.int32, 256)
+    for _ in range(2):  # (a launch configuration cached before the trace)
+        ctx.enqueue_function(ADD_ONE, buf, np.int32(256), grid_dim=1, block_dim=256)
+    with ctx.trace() as t:
+        evs = [
+            ctx.enqueue_function(ADD_ONE, buf, np.int32(256), grid_dim=1, block_dim=256)
+            for _ in range(3)
+        ]
+        ctx.synchronize()
+    nodes = [t.node_of(e) for e in evs]
+    assert [n.id for n in nodes] == [0, 1, 2] and len(t.nodes) == 3
+    assert [n.label for n in nodes] == ["add_one"] * 3
+    assert t.edges == [TraceEdge(0, 1, "stream"), TraceEdge(1, 2, "stream")]
+
+
 def test_a_dropped_trace_gives_back_its_clock_and_the_stamps_nobody_read() -> None:
     dropped: list[object] = []
     clock = _DeviceClock()
