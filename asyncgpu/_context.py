@@ -1082,9 +1082,10 @@ class DeviceContext(_ContextBase):
         ``path`` the Chrome/Perfetto trace JSON is written there on exit.
 
         ``device_times`` (CUDA): each operation is followed by a timing event
-        (``cuEventRecord``, about 2 µs of host time on an H100) that gives its
+        (``cuEventRecord``, about 1.2 µs of host time on an H100) that gives its
         device start and end; ``False`` records the host times alone, which
-        costs a traced launch about half as much."""
+        adds about half as much to a traced launch. Never blocks; on exit the
+        trace is written (``path``) and tracing stops."""
         self._check_open()
         if type(device_times) is not bool:
             raise TypeError(f"device_times must be a bool, not {type(device_times).__name__}")

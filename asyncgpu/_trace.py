@@ -19,15 +19,16 @@ without blocking when the trace is read (``node_of``, ``as_dict``,
 ``device_times``, the exports), for the operations the device has finished.
 
 ``ctx.trace(device_times=False)`` records no timing events: the device times
-stay None, and a traced launch costs about half as much (the event's
-``cuEventRecord`` alone takes about 2 µs of host time on an H100).
+stay None, and tracing adds about half as much to a launch (the event's
+``cuEventRecord`` alone takes about 1.2 µs of host time on an H100:
+``benchmarks/probe_trace.py``).
 
 Tracing asks for no completion of its own: it costs an operation its node (and
 on CUDA one ``cuEventRecord``), and ``end_ns`` is noticed whenever something
 else notices the completion (an await, a synchronize, the engine's sweep of
 finished work). A traced kernel launch keeps the launch's fast path (the C
-extension calls ``Trace.record`` after it); edges are kept as tuples and become
-``TraceEdge`` objects when ``edges`` is read.
+extension calls ``Trace._record_kernel`` after it). The edges are not stored
+apart from the nodes' ``deps``: ``edges`` builds them when it is read.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 from . import _buffer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ._event import DeviceEvent
     from ._stream import _StreamImpl
 
@@ -82,9 +85,8 @@ class Trace:
     path: str | None = None
     device_stamps: bool = True  # CUDA: a timing event after each operation
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    # The edges as (src, dst, kind) tuples (``edges`` makes the TraceEdge
-    # objects when the trace is read), and per lane the last node recorded on it.
-    _edges: list[tuple[int, int, str]] = field(default_factory=list, repr=False)
+    # Per lane the last node recorded on it. The edges are not kept apart: they
+    # are the nodes' ``deps`` (see ``_edge_tuples``).
     _last: dict[str, int] = field(default_factory=dict, repr=False)
     # CUDA: node id -> (stream, timing event) not read back yet, and per device
     # backend (by id) the origin of its clock: (backend, event, host ns).
@@ -92,11 +94,35 @@ class Trace:
     _origins: dict[int, tuple[Any, Any, int]] = field(default_factory=dict, repr=False)
     t0_ns: int = field(default_factory=time.perf_counter_ns)
 
+    # The waiter each traced event gets (made once: a bound method made per
+    # operation cost a traced launch an allocation and a collection's share).
+    _end_watch: Callable[[DeviceEvent], None] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._end_watch = self._on_done
+
     @property
     def edges(self) -> list[TraceEdge]:
         """The edges recorded so far, in the order they were recorded (a new list
         on each read)."""
-        return [TraceEdge(*e) for e in self._edges.copy()]  # (one step under the GIL)
+        return [TraceEdge(*e) for e in self._edge_tuples()]
+
+    def _edge_tuples(self) -> list[tuple[int, int, str]]:
+        """The edges as (src, dst, kind), in the order they were recorded: each
+        node's ``deps`` in order, nodes in id order. A node's first dependency is
+        its "stream" edge when it is on the node's own lane (the previous node
+        there: a wait never adds that one again, and before it the lane had no
+        node); every other dependency is a "wait"."""
+        nodes = list(self.nodes.values())  # (one step under the GIL; a node's deps
+        out: list[tuple[int, int, str]] = []  # are complete before it is added)
+        by_id = self.nodes
+        for n in nodes:
+            deps = n.deps
+            if deps:
+                first = deps[0]
+                out.append((first, n.id, "stream" if by_id[first].stream == n.stream else "wait"))
+                out.extend((d, n.id, "wait") for d in deps[1:])
+        return out
 
     # -- the enqueue paths' part (hot while tracing: keep it short) ----------------------
 
@@ -130,9 +156,8 @@ class Trace:
                     self.streams.append(lane)
             else:
                 deps = [prev]
-                self._edges.append((prev, nid, "stream"))
             if waits or after_lanes:
-                self._wait_edges(nid, deps, waits, after_lanes)
+                self._wait_edges(deps, waits, after_lanes)
             node = TraceNode(nid, lane, kind, label or kind, nbytes, deps, now)
             nodes[nid] = node
             last[lane] = nid
@@ -141,20 +166,50 @@ class Trace:
         ev._node = node
         # A waiter, not add_done_callback: the trace asks for no marker and no
         # watch of its own (that made every traced launch cost about 5x).
-        if ev._done or not ev._add_waiter(self._on_done):
+        if ev._done or not ev._add_waiter(self._end_watch):
             self._on_done(ev)
         return node
 
+    def _record_kernel(self, stream: _StreamImpl, ev: DeviceEvent, name: str) -> None:
+        """``record(stream, ev, "kernel", name)`` for a launch without waits: what
+        the C extension's launch calls (the same steps, without the defaults)."""
+        now = time.perf_counter_ns()
+        stamp = None
+        if self.device_stamps and stream.device_clock:
+            backend = stream.backend  # type: ignore[attr-defined]
+            if id(backend) not in self._origins:
+                event, host_ns = backend.trace_clock()
+                with self._lock:
+                    self._origins.setdefault(id(backend), (backend, event, host_ns))
+            stamp = stream.trace_stamp()
+        lane = stream.label
+        with self._lock:
+            nodes = self.nodes
+            nid = len(nodes)
+            prev = self._last.get(lane)
+            if prev is None:
+                deps = []
+                if lane not in self.streams:
+                    self.streams.append(lane)
+            else:
+                deps = [prev]
+            nodes[nid] = node = TraceNode(nid, lane, "kernel", name or "kernel", 0, deps, now)
+            self._last[lane] = nid
+            if stamp is not None:
+                self._stamps[nid] = (stream, stamp)
+        ev._node = node
+        if ev._done or not ev._add_waiter(self._end_watch):
+            self._on_done(ev)
+
     def _wait_edges(
         self,
-        nid: int,
         deps: list[int],
         waits: tuple[DeviceEvent, ...],
         after_lanes: tuple[str, ...],
     ) -> None:
-        """Under ``_lock``: the "wait" edges into node ``nid``: from the nodes of
-        the events it waits for (those traced here) and from what was traced
-        last on the lanes it orders after."""
+        """Under ``_lock``: add to ``deps`` the "wait" edges of a new node: from the
+        nodes of the events it waits for (those traced here) and from what was
+        traced last on the lanes it orders after."""
         nodes = self.nodes
         sources: list[int | None] = []
         for w in waits:
@@ -164,7 +219,6 @@ class Trace:
         for src in sources:
             if src is not None and src not in deps:
                 deps.append(src)
-                self._edges.append((src, nid, "wait"))
 
     def _on_done(self, ev: DeviceEvent) -> None:
         node = ev._node
@@ -267,7 +321,7 @@ class Trace:
                 "t0_ns": self.t0_ns,
                 "streams": list(self.streams),
                 "nodes": [{f: getattr(n, f) for f in _NODE_FIELDS} for n in self.nodes.values()],
-                "edges": [dict(src=a, dst=b, kind=k) for a, b, k in self._edges],
+                "edges": [dict(src=a, dst=b, kind=k) for a, b, k in self._edge_tuples()],
             }
 
 

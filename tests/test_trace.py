@@ -337,3 +337,43 @@ def test_a_completion_noticed_first_ends_what_it_waited_for_no_later() -> None:
     noticed = a.end_ns
     a_stream.finish_all()  # the first one's own notice changes nothing
     assert a.end_ns == noticed
+
+
+def test_the_edges_are_the_nodes_dependencies_in_the_order_they_were_recorded() -> None:
+    """A node's first dependency is its "stream" edge when it is the one before it
+    on its lane; every other dependency, a wait on an earlier operation of the
+    same lane included, is a "wait" edge."""
+    a_stream, b_stream = RecordingStream(), RecordingStream()
+    a_stream.label, b_stream.label = "gpu:0/s1", "gpu:0/s2"
+    t = Trace()
+    a0 = a_stream.submit()
+    t.record(a_stream, a0, "kernel")
+    t.record(a_stream, a_stream.submit(), "kernel")
+    t.record(a_stream, a_stream.submit(), "wait", waits=(a0,))  # (an earlier one, same lane)
+    t.record(b_stream, b_stream.submit(), "wait", waits=(a0,))  # (the first on its lane)
+    assert t.edges == [
+        TraceEdge(0, 1, "stream"),
+        TraceEdge(1, 2, "stream"),
+        TraceEdge(0, 2, "wait"),
+        TraceEdge(0, 3, "wait"),
+    ]
+    assert t.as_dict()["edges"][2] == {"src": 0, "dst": 2, "kind": "wait"}
+
+
+def test_the_launch_path_records_a_kernel_as_record_does() -> None:
+    """``_record_kernel`` (what the C extension's launch calls) makes the node that
+    ``record(stream, ev, "kernel", name)`` makes, and notices its end the same way."""
+    s = RecordingStream()
+    s.label = "gpu:0/s0"
+    by_record, by_launch = Trace(), Trace()
+    for name in ("axpy", ""):
+        by_record.record(s, s.submit(), "kernel", name)
+        ev = s.submit()
+        by_launch._record_kernel(s, ev, name)
+    s.finish_all()
+    fields = ("id", "stream", "kind", "label", "nbytes", "deps")
+    assert [[getattr(n, f) for f in fields] for n in by_launch.nodes.values()] == [
+        [getattr(n, f) for f in fields] for n in by_record.nodes.values()
+    ]
+    assert by_launch.node_of(ev).label == "kernel" and by_launch.node_of(ev).end_ns is not None
+    assert by_launch.edges == by_record.edges == [TraceEdge(0, 1, "stream")]
