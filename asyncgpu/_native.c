@@ -3038,7 +3038,7 @@ static int exiting = 0;              /* the interpreter is exiting (set_exiting(
 #define DTYPE_CACHE_MAX 256
 static PyObject *s_release_memory, *s_open, *s_trace, *s_grid_dim, *s_block_dim,
     *s_launch, *s_alloc_ptr, *s_itemsize, *s_general_function, *s_general_create, *empty_tuple,
-    *s_backend, *s_alloc_device, *s_record_kernel, *s_name;
+    *s_backend, *s_alloc_device, *s_record, *s_kernel, *s_name;
 
 /* A dropped buffer that owns memory: a device allocation of a CUDA stream goes
  * back to the stream's kept buffers here, without Python, when the stream keeps
@@ -3282,8 +3282,7 @@ static int untraced(PyObject *state) {
 }
 
 /* While tracing: the trace of `state` records the launch `ev` of the function
- * `fn` (Trace._record_kernel(impl, ev, fn.name): the general path's
- * record(impl, ev, "kernel", fn.name) without its defaults).
+ * `fn` (Trace.record(impl, ev, "kernel", fn.name), as the general path does).
  * 0, or -1 with an exception. */
 static int trace_launch(PyObject *state, PyObject *impl, PyObject *fn, PyObject *ev) {
     PyObject *trace, *name, *r;
@@ -3300,7 +3299,7 @@ static int trace_launch(PyObject *state, PyObject *impl, PyObject *fn, PyObject 
         return 0;
     }
     name = PyObject_GetAttr(fn, s_name);
-    r = name == NULL ? NULL : PyObject_CallMethodObjArgs(trace, s_record_kernel, impl, ev, name, NULL);
+    r = name == NULL ? NULL : PyObject_CallMethodObjArgs(trace, s_record, impl, ev, s_kernel, name, NULL);
     Py_XDECREF(name);
     Py_DECREF(trace);
     Py_XDECREF(r);
@@ -3939,7 +3938,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_general_create = intern("_enqueue_create_buffer");
     s_backend = intern("backend");
     s_alloc_device = intern("alloc_device");
-    s_record_kernel = intern("_record_kernel");
+    s_record = intern("record");
+    s_kernel = intern("kernel");
     s_name = intern("name");
     s_call_soon = intern("call_soon");
     s_run = intern("run");
@@ -3955,7 +3955,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         !s_codes || !s_addr || !s_pointers || !s_release_memory || !s_open || !s_trace ||
         !s_grid_dim || !s_block_dim || !s_launch || !s_alloc_ptr || !s_itemsize ||
         !s_general_function || !s_general_create || !empty_tuple || !dtype_cache ||
-        !s_call_soon || !s_run || !s_context || !s_msg || !s_loop || !s_record_kernel ||
+        !s_call_soon || !s_run || !s_context || !s_msg || !s_loop || !s_record || !s_kernel ||
         !s_name)
         return NULL;
     event_core_type = (PyTypeObject *)PyType_FromSpec(&event_spec);

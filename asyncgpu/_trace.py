@@ -27,7 +27,7 @@ Tracing asks for no completion of its own: it costs an operation its node (and
 on CUDA one ``cuEventRecord``), and ``end_ns`` is noticed whenever something
 else notices the completion (an await, a synchronize, the engine's sweep of
 finished work). A traced kernel launch keeps the launch's fast path (the C
-extension calls ``Trace._record_kernel`` after it). The edges are not stored
+extension calls ``Trace.record`` after it). The edges are not stored
 apart from the nodes' ``deps``: ``edges`` builds them when it is read.
 """
 
@@ -169,37 +169,6 @@ class Trace:
         if ev._done or not ev._add_waiter(self._end_watch):
             self._on_done(ev)
         return node
-
-    def _record_kernel(self, stream: _StreamImpl, ev: DeviceEvent, name: str) -> None:
-        """``record(stream, ev, "kernel", name)`` for a launch without waits: what
-        the C extension's launch calls (the same steps, without the defaults)."""
-        now = time.perf_counter_ns()
-        stamp = None
-        if self.device_stamps and stream.device_clock:
-            backend = stream.backend  # type: ignore[attr-defined]
-            if id(backend) not in self._origins:
-                event, host_ns = backend.trace_clock()
-                with self._lock:
-                    self._origins.setdefault(id(backend), (backend, event, host_ns))
-            stamp = stream.trace_stamp()
-        lane = stream.label
-        with self._lock:
-            nodes = self.nodes
-            nid = len(nodes)
-            prev = self._last.get(lane)
-            if prev is None:
-                deps = []
-                if lane not in self.streams:
-                    self.streams.append(lane)
-            else:
-                deps = [prev]
-            nodes[nid] = node = TraceNode(nid, lane, "kernel", name or "kernel", 0, deps, now)
-            self._last[lane] = nid
-            if stamp is not None:
-                self._stamps[nid] = (stream, stamp)
-        ev._node = node
-        if ev._done or not ev._add_waiter(self._end_watch):
-            self._on_done(ev)
 
     def _wait_edges(
         self,

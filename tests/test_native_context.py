@@ -194,14 +194,13 @@ def test_a_closed_context_or_foreign_function_goes_to_the_python_method(
 
 
 class _RecordingTrace:
-    """What the launch's fast path calls of a trace: ``_record_kernel`` (the
-    stream, the event, the function's name)."""
+    """What the launch's fast path calls of a trace: ``record``."""
 
     def __init__(self, fail: bool = False) -> None:
         self.records: list[tuple[Any, ...]] = []
         self.fail = fail
 
-    def _record_kernel(self, *args: Any) -> None:
+    def record(self, *args: Any) -> None:
         self.records.append(args)
         if self.fail:
             raise RuntimeError("the trace failed")
@@ -213,7 +212,7 @@ def test_a_traced_launch_takes_the_fast_path_and_the_trace_records_it(setup: Set
     ctx._state.trace = trace = _RecordingTrace()
     ev = ctx.enqueue_function(setup.fn, grid_dim=4, block_dim=256)
     assert setup.general == [] and len(setup.driver.launches) == 1
-    assert trace.records == [(ctx._impl, ev, setup.fn.name)]
+    assert trace.records == [(ctx._impl, ev, "kernel", setup.fn.name)]
 
 
 def test_a_trace_that_fails_to_record_raises_from_the_launch_it_followed(setup: Setup) -> None:

@@ -358,22 +358,3 @@ def test_the_edges_are_the_nodes_dependencies_in_the_order_they_were_recorded() 
         TraceEdge(0, 3, "wait"),
     ]
     assert t.as_dict()["edges"][2] == {"src": 0, "dst": 2, "kind": "wait"}
-
-
-def test_the_launch_path_records_a_kernel_as_record_does() -> None:
-    """``_record_kernel`` (what the C extension's launch calls) makes the node that
-    ``record(stream, ev, "kernel", name)`` makes, and notices its end the same way."""
-    s = RecordingStream()
-    s.label = "gpu:0/s0"
-    by_record, by_launch = Trace(), Trace()
-    for name in ("axpy", ""):
-        by_record.record(s, s.submit(), "kernel", name)
-        ev = s.submit()
-        by_launch._record_kernel(s, ev, name)
-    s.finish_all()
-    fields = ("id", "stream", "kind", "label", "nbytes", "deps")
-    assert [[getattr(n, f) for f in fields] for n in by_launch.nodes.values()] == [
-        [getattr(n, f) for f in fields] for n in by_record.nodes.values()
-    ]
-    assert by_launch.node_of(ev).label == "kernel" and by_launch.node_of(ev).end_ns is not None
-    assert by_launch.edges == by_record.edges == [TraceEdge(0, 1, "stream")]
