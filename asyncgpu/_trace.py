@@ -42,8 +42,6 @@ from typing import TYPE_CHECKING, Any
 from . import _buffer
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from ._event import DeviceEvent
     from ._stream import _StreamImpl
 
@@ -93,13 +91,6 @@ class Trace:
     _stamps: dict[int, tuple[Any, Any]] = field(default_factory=dict, repr=False)
     _origins: dict[int, tuple[Any, Any, int]] = field(default_factory=dict, repr=False)
     t0_ns: int = field(default_factory=time.perf_counter_ns)
-
-    # The waiter each traced event gets (made once: a bound method made per
-    # operation cost a traced launch an allocation and a collection's share).
-    _end_watch: Callable[[DeviceEvent], None] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._end_watch = self._on_done
 
     @property
     def edges(self) -> list[TraceEdge]:
@@ -165,8 +156,12 @@ class Trace:
                 self._stamps[nid] = (stream, stamp)
         ev._node = node
         # A waiter, not add_done_callback: the trace asks for no marker and no
-        # watch of its own (that made every traced launch cost about 5x).
-        if ev._done or not ev._add_waiter(self._end_watch):
+        # watch of its own (that made every traced launch cost about 5x). A bound
+        # method made here, not one kept on the trace: that one made a reference
+        # cycle, so a dropped trace (and its timing events) waited for the
+        # garbage collector, which then gave the events back inside whatever
+        # ran next (the H100 run of 12:52 UTC on 2026-12-07 timed it).
+        if ev._done or not ev._add_waiter(self._on_done):
             self._on_done(ev)
         return node
 

@@ -6,6 +6,7 @@ import gc
 import itertools
 import json
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -319,6 +320,30 @@ def test_a_dropped_trace_gives_back_its_clock_and_the_stamps_nobody_read() -> No
     gc.collect()
     assert dropped == [("gpu:0/s0", 2), ("gpu:0/s0", 3), "origin"]
 
+
+
+def test_a_dropped_trace_is_freed_at_once_not_by_the_garbage_collector() -> None:
+    """A trace makes no reference cycle: once its events are done and nothing
+    holds it, it is gone (with its timing events given back) at the ``del``,
+    not at some later collection inside unrelated work."""
+    dropped: list[object] = []
+    clock = _DeviceClock()
+    clock.drop_stamp = dropped.append  # type: ignore[attr-defined]
+    s = _ClockedStream("gpu:0/s0", clock)
+    t = Trace()
+    events = [DeviceEvent(None, i + 1) for i in range(3)]
+    for ev in events:
+        t.record(s, ev, "kernel")
+    for ev in events:
+        ev._finish()
+    gone = weakref.ref(t)
+    gc.disable()
+    try:
+        del t
+        assert gone() is None
+        assert dropped == [("gpu:0/s0", 1), ("gpu:0/s0", 2), ("gpu:0/s0", 3), "origin"]
+    finally:
+        gc.enable()
 
 def test_a_completion_noticed_first_ends_what_it_waited_for_no_later() -> None:
     """Completions are noticed in no set order across streams: when an operation
