@@ -321,7 +321,6 @@ def test_a_dropped_trace_gives_back_its_clock_and_the_stamps_nobody_read() -> No
     assert dropped == [("gpu:0/s0", 2), ("gpu:0/s0", 3), "origin"]
 
 
-
 def test_a_dropped_trace_is_freed_at_once_not_by_the_garbage_collector() -> None:
     """A trace makes no reference cycle: once its events are done and nothing
     holds it, it is gone (with its timing events given back) at the ``del``,
@@ -344,6 +343,7 @@ def test_a_dropped_trace_is_freed_at_once_not_by_the_garbage_collector() -> None
         assert dropped == [("gpu:0/s0", 1), ("gpu:0/s0", 2), ("gpu:0/s0", 3), "origin"]
     finally:
         gc.enable()
+
 
 def test_a_completion_noticed_first_ends_what_it_waited_for_no_later() -> None:
     """Completions are noticed in no set order across streams: when an operation
