@@ -1084,8 +1084,10 @@ class DeviceContext(_ContextBase):
         ``device_times`` (CUDA): each operation is followed by a timing event
         (``cuEventRecord``, about 1.2 µs of host time on an H100) that gives its
         device start and end; ``False`` records the host times alone, which
-        adds about half as much to a traced launch. Never blocks; on exit the
-        trace is written (``path``) and tracing stops."""
+        adds to a launch well under half of what device times add (on the
+        H200: 1.37x an untraced launch, against 2.23x). On exit tracing stops; with a
+        ``path`` the exit first waits for every stream of the context
+        (``synchronize``), then writes the file."""
         self._check_open()
         if type(device_times) is not bool:
             raise TypeError(f"device_times must be a bool, not {type(device_times).__name__}")
