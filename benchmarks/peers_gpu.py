@@ -809,6 +809,18 @@ def _numba_child(device: int, repeats: int, warmup: int) -> dict[str, Any]:
 
         samples = H.run_async(lambda: H.time_calls_async(once, repeats, warmup), 300.0)
         return {"status": "ok", "metrics": H.summarize_ns(samples)}
+    except AttributeError as exc:
+        if "'CUstream' object has no attribute 'value'" not in str(exc):
+            return {"status": "error", "reason": H.describe_exception(exc)}
+        # numba-cuda 0.30.4's Stream.add_callback, which async_done uses, passes
+        # self.handle.value to cuStreamAddCallback; cuda-bindings' CUstream has no
+        # .value (its other stream calls use int(handle)). The kernel launch works.
+        return {
+            "status": "unavailable",
+            "reason": "numba-cuda's Stream.async_done fails before it waits: its "
+            "add_callback reads CUstream.value, which this cuda-bindings lacks "
+            f"({H.describe_exception(exc)})",
+        }
     except BaseException as exc:
         return {"status": "error", "reason": H.describe_exception(exc)}
 

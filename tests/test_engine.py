@@ -151,8 +151,8 @@ async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
     monkeypatch,
 ) -> None:
     """One reactor step per loop iteration: the batch follows the time the tasks
-    woken in the iteration before took, 100 us each gives the minimum, 1 us each
-    the maximum."""
+    woken in the iteration before took, 100 us each gives the minimum, 0.5 us
+    each the maximum."""
     clock = _Clock()
     monkeypatch.setattr(_engine, "_monotonic", clock)
     loop = asyncio.get_running_loop()
@@ -168,12 +168,14 @@ async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
     clock.now += _engine.WAKE_MIN * 100e-6  # the woken tasks took 100 us each
     await wake_some(reactor)
     assert woken() == 2 * _engine.WAKE_MIN
-    clock.now += _engine.WAKE_MIN * 1e-6  # 1 us each
+    clock.now += _engine.WAKE_MIN * 0.5e-6  # 0.5 us each
     await wake_some(reactor)
     assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX
-    clock.now += _engine.WAKE_MAX * 10e-6  # 10 us each: 0.3 ms fits 30
+    clock.now += _engine.WAKE_MAX * 10e-6  # 10 us each: the budget fits 20 (0.2 ms)
     await wake_some(reactor)
-    assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX + 30
+    fits = round(_engine.ITERATION_S / 10e-6)
+    assert _engine.WAKE_MIN < fits < _engine.WAKE_MAX
+    assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX + fits
 
 
 @pytest.mark.asyncio
