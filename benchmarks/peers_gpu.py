@@ -810,7 +810,7 @@ def _numba_child(device: int, repeats: int, warmup: int) -> dict[str, Any]:
         samples = H.run_async(lambda: H.time_calls_async(once, repeats, warmup), 300.0)
         return {"status": "ok", "metrics": H.summarize_ns(samples)}
     except AttributeError as exc:
-        if "'CUstream' object has no attribute 'value'" not in str(exc):
+        if "CUstream' object has no attribute 'value'" not in str(exc):
             return {"status": "error", "reason": H.describe_exception(exc)}
         # numba-cuda 0.30.4's Stream.add_callback, which async_done uses, passes
         # self.handle.value to cuStreamAddCallback; cuda-bindings' CUstream has no
