@@ -20,6 +20,36 @@ def _m(res: dict[str, Any], case: str, key: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) else None
 
 
+def _budget_sweep(res: dict[str, Any]) -> list[str]:
+    """The reactor's wake-up budget per loop iteration against throughput and
+    ticker lag (``engine_iteration_budget_sweep``), where the run has it."""
+    sweep = "engine_iteration_budget_sweep"
+    if _m(res, sweep, "default_iteration_ms") is None:
+        return []
+    turns = _m(res, sweep, "ops_per_s_rounds_at_0.2ms") is not None  # (since 20dee70)
+    how = (
+        "the settings taking turns round by round (medians of their rounds)"
+        if turns
+        else "one setting after another (the median of each one's three rounds)"
+    )
+    out = [
+        "The wake-up budget per loop iteration (`ITERATION_S`; the default is "
+        f"{_f(_m(res, sweep, 'default_iteration_ms'), '{:g}')} ms), the same load, {how}:",
+        "",
+        "| budget (ms) | awaited ops/s | ticker p50 (ms) | ticker p99 after the start (ms) "
+        "| loop iteration p50 (ms) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for ms in ("0.1", "0.15", "0.2", "0.3"):
+        out.append(
+            f"| {ms} | {_f(_m(res, sweep, f'ops_per_s_at_{ms}ms'), '{:,.0f}')} "
+            f"| {_f(_m(res, sweep, f'ticker_lag_p50_ms_at_{ms}ms'), '{:.2f}')} "
+            f"| {_f(_m(res, sweep, f'ticker_lag_steady_p99_ms_at_{ms}ms'), '{:.2f}')} "
+            f"| {_f(_m(res, sweep, f'iteration_p50_ms_at_{ms}ms'), '{:.2f}')} |"
+        )
+    return [*out, ""]
+
+
 def _f(v: float | None, fmt: str = "{:.1f}") -> str:
     return "n/a" if v is None else fmt.format(v)
 
@@ -139,6 +169,7 @@ def render(doc: dict[str, Any]) -> str:
         f"task awaits a 200 ms kernel: "
         f"{_f(_m(res, 'engine_idle', 'cpu_fraction_of_one_core'), '{:.1%}')} of a core.",
         "",
+        *_budget_sweep(res),
         "### Launch (host µs per launch, median)",
         "",
         "Each library timed in its own phase of the run (asyncgpu's is `fast_launch`):",
