@@ -63,11 +63,11 @@ PARK_MAX_S = 0.008  # (each timer wake-up costs ~0.1-0.2 ms of CPU in the OS and
 FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
 # Futures a reactor completes per loop iteration: as many woken tasks as fit in
 # ITERATION_S, judged by the last iteration's time per woken task, within
-# WAKE_MIN..WAKE_MAX (so another task on the loop waits about two iterations).
-# Another task's wait is about 2.5 budgets (the rest of the iteration in which
-# its timer fires, that iteration, and the next one's earlier callbacks): 0.3 ms
-# gave the ticker of the I4.2 load a p99 of 0.87 ms on the H200; the suite's
-# engine_iteration_budget_sweep measures 0.1-0.3 ms side by side.
+# WAKE_MIN..WAKE_MAX. Another task on the loop then waits about 2.5 budgets (the
+# rest of the iteration in which its timer fires, that iteration, and the next
+# one's earlier callbacks): under the I4.2 load a ticker's p99 was 0.87-0.93 ms
+# with 0.3 ms and 0.71-0.73 ms with 0.2 ms (H200 and H100, 2026-12-07); the
+# suite's engine_iteration_budget_sweep measures 0.1-0.3 ms side by side.
 ITERATION_S = 0.0002
 WAKE_MIN = 8
 WAKE_MAX = 256

@@ -171,7 +171,7 @@ async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
     clock.now += _engine.WAKE_MIN * 0.5e-6  # 0.5 us each
     await wake_some(reactor)
     assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX
-    clock.now += _engine.WAKE_MAX * 10e-6  # 10 us each: the budget fits 20 (0.2 ms)
+    clock.now += _engine.WAKE_MAX * 10e-6  # 10 us each: as many as fit the budget
     await wake_some(reactor)
     fits = round(_engine.ITERATION_S / 10e-6)
     assert _engine.WAKE_MIN < fits < _engine.WAKE_MAX
