@@ -26,7 +26,8 @@ def _budget_sweep(res: dict[str, Any]) -> list[str]:
     sweep = "engine_iteration_budget_sweep"
     if _m(res, sweep, "default_iteration_ms") is None:
         return []
-    turns = _m(res, sweep, "ops_per_s_rounds_at_0.2ms") is not None  # (since 20dee70)
+    # each setting's rounds are listed since 20dee70, where they take turns
+    turns = "ops_per_s_rounds_at_0.2ms" in res[sweep]["metrics"]
     how = (
         "the settings taking turns round by round (medians of their rounds)"
         if turns
