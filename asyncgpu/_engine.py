@@ -61,6 +61,30 @@ SPIN_S = 0.0005  # keep polling every loop iteration this long after the last pr
 PARK_S = 0.001  # then poll on a timer this often, backing off up to PARK_MAX_S
 PARK_MAX_S = 0.008  # (each timer wake-up costs ~0.1-0.2 ms of CPU in the OS and asyncio)
 FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
+WAKE_MIN = 8
+WAKE_MAX = 256
+INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
+
+
+def _wake_budget_s(default: float) -> float:
+    """ITERATION_S from ``$ASYNCGPU_WAKE_BUDGET_MS`` (milliseconds, 0.01 to 100),
+    else ``default``; read once, at import. A smaller budget keeps other tasks on
+    the loop more responsive while many awaits finish, a larger one moves more
+    awaits per loop iteration."""
+    env = os.environ.get("ASYNCGPU_WAKE_BUDGET_MS", "").strip()
+    if not env:
+        return default
+    try:
+        ms = float(env)
+    except ValueError:
+        raise ValueError(
+            f"ASYNCGPU_WAKE_BUDGET_MS must be a number of milliseconds, not {env!r}"
+        ) from None
+    if not 0.01 <= ms <= 100:  # (also refuses nan and inf)
+        raise ValueError(f"ASYNCGPU_WAKE_BUDGET_MS must be from 0.01 to 100 ms, not {env}")
+    return ms / 1e3
+
+
 # Futures a reactor completes per loop iteration: as many woken tasks as fit in
 # ITERATION_S, judged by the last iteration's time per woken task, within
 # WAKE_MIN..WAKE_MAX. Another task on the loop then waits about 2.5 budgets (the
@@ -68,11 +92,7 @@ FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
 # one's earlier callbacks): under the I4.2 load a ticker's p99 was 0.87-0.93 ms
 # with 0.3 ms and 0.71-0.73 ms with 0.2 ms (H200 and H100, 2026-12-07); the
 # suite's engine_iteration_budget_sweep measures 0.1-0.3 ms side by side.
-ITERATION_S = 0.0002
-WAKE_MIN = 8
-WAKE_MAX = 256
-INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
-
+ITERATION_S = _wake_budget_s(0.0002)
 InvalidStateError = asyncio.InvalidStateError
 _monotonic = time.perf_counter
 # The future of a reactor's await: the extension's DirectFuture, which the
