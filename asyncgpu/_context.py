@@ -1084,8 +1084,9 @@ class DeviceContext(_ContextBase):
         ``device_times`` (CUDA): each operation is followed by a timing event
         (``cuEventRecord``, about 1.2 µs of host time on an H100) that gives its
         device start and end; ``False`` records the host times alone, which
-        adds to a launch well under half of what device times add (on the
-        H200: 1.37x an untraced launch, against 2.23x). On exit tracing stops; with a
+        adds to a launch about half of what device times add or less (an
+        untraced launch's 1.37x-2.24x against 2.23x-3.49x, H200 and H100,
+        2026-12-07). On exit tracing stops; with a
         ``path`` the exit first waits for every stream of the context
         (``synchronize``), then writes the file."""
         self._check_open()

@@ -574,26 +574,25 @@ def polled_future(
     else:
         reactor = reactor_for(loop)
         _last = (loop, reactor)
-    if not reactor.pending:
-        # A lone awaiter. The loop's ready queue may hold the idle reactor's own
-        # next step (it runs once more after its last wake-up); anything else
-        # ready means no spin.
-        ready = getattr(loop, "_ready", None)
-        if (
-            ready is not None
-            and len(ready) <= (reactor.task is not None and not reactor.deferred)
-            and (stream._pending is None or stream._issued_mark >= ev._seq)  # not behind host work
-        ):
-            completed = stream._completed
-            seq = ev._seq
-            deadline = _monotonic() + INLINE_SPIN_S
-            while completed() < seq:
-                if _monotonic() > deadline:
-                    break
-            else:
-                stream._retire()
-                if ev._done:
-                    return None
+    # The loop's ready queue may hold the idle reactor's own next step (it runs
+    # once more after its last wake-up); anything else ready means no spin.
+    ready = getattr(loop, "_ready", None)
+    if (
+        ready is not None
+        and not reactor.pending
+        and len(ready) <= (reactor.task is not None and not reactor.deferred)
+        and (stream._pending is None or stream._issued_mark >= ev._seq)  # not behind host work
+    ):
+        completed = stream._completed
+        seq = ev._seq
+        deadline = _monotonic() + INLINE_SPIN_S
+        while completed() < seq:
+            if _monotonic() > deadline:
+                break
+        else:
+            stream._retire()
+            if ev._done:
+                return None
     # (``reactor.add``'s usual case, inline: the await's hot path)
     fut: asyncio.Future[Any] = _Future(loop=loop)
     awaits = reactor.pending.get(stream)

@@ -19,9 +19,10 @@ without blocking when the trace is read (``node_of``, ``as_dict``,
 ``device_times``, the exports), for the operations the device has finished.
 
 ``ctx.trace(device_times=False)`` records no timing events: the device times
-stay None, and tracing adds to a launch well under half of what device times
-add (on the H200: 1.37x an untraced launch, against 2.23x; the event's ``cuEventRecord`` alone
-takes about 1.2 µs of host time on an H100: ``benchmarks/probe_trace.py``).
+stay None, and tracing adds to a launch about half of what device times add
+or less (an untraced launch's 1.37x-2.24x against 2.23x-3.49x, H200 and H100,
+2026-12-07; the event's ``cuEventRecord`` alone takes about 1.2 µs of host time
+on an H100: ``benchmarks/probe_trace.py``).
 
 Tracing asks for no completion of its own: it costs an operation its node (and
 on CUDA one ``cuEventRecord``), and ``end_ns`` is noticed whenever something

@@ -100,7 +100,7 @@ def main() -> dict[str, Any]:
                 {"mode": mode, "us": us, "markers_per_launch": marks, "eager": bool(stream._eager)}
             )
         res["phases_in_order"] = order
-        impl = ctx._impl
+        impl = stream
 
         # The driver calls of one timestamp, through cuda.bindings.
         backend = ctx._state.backend
