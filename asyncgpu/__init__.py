@@ -5,8 +5,14 @@ kernel and CPU function awaitable, and a full CPU device for machines without a
 GPU. ``import asyncgpu`` needs no driver: the CUDA device is loaded on first use.
 """
 
-from ._buffer import DeviceBuffer, HostBuffer
-from ._context import DeviceContext, default_api
+from ._api.context import DeviceContext, default_api
+from ._api.interop import from_cuda_array_interface, from_dlpack
+from ._api.numba import NumbaKernel, load_numba_kernel
+from ._api.stream import DeviceStream
+from ._core.event import DeviceEvent
+from ._core.function import DeviceExternalFunction, DeviceFunction, Kernel, ThreadBlock, kernel
+from ._core.memory import DeviceBuffer, HostBuffer
+from ._core.trace import Trace, TraceEdge, TraceNode
 from ._errors import (
     AsyncGPUError,
     CompileError,
@@ -17,11 +23,6 @@ from ._errors import (
     NoDeviceError,
     UnsupportedError,
 )
-from ._event import DeviceEvent
-from ._function import DeviceExternalFunction, DeviceFunction, Kernel, ThreadBlock, kernel
-from ._interop import NumbaKernel, from_cuda_array_interface, from_dlpack, load_numba_kernel
-from ._stream import DeviceStream
-from ._trace import Trace, TraceEdge, TraceNode
 from ._types import (
     ConstantMemoryMapping,
     DeviceAttribute,
@@ -32,8 +33,7 @@ from ._types import (
     LaunchAttributeID,
     StreamPriorityRange,
 )
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "AsyncGPUError",

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import asyncgpu as ag
-from asyncgpu._engine import pool_size
+from asyncgpu._core.pool import pool_size
 
 
 def _noop() -> None:

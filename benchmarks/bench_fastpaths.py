@@ -317,7 +317,7 @@ def compile_cache(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
     child = textwrap.dedent(
         """
         import sys, time
-        from asyncgpu._compiler import compile_cuda
+        from asyncgpu._devices.cuda.compiler import compile_cuda
         src = sys.stdin.read()
         t0 = time.perf_counter()
         m = compile_cuda(src, "axpy", arch=sys.argv[1])
@@ -350,7 +350,7 @@ def compile_cache(ctx: ag.DeviceContext, quick: bool) -> dict[str, float]:
     for _ in range(100):
         ctx.compile_function(src, "axpy")
     warm = (time.perf_counter() - t0) / 100
-    from asyncgpu import _compiler
+    from asyncgpu._devices.cuda import compiler as _compiler
 
     loaded = []
     for i in range(3):

@@ -54,7 +54,7 @@ DEFAULT_N = {"await": 10, "launch": 2000, "launch4": 2000, "create": 2000}
 def _await(em: Any, n: int) -> None:
     """The emulated throughput case (``emulate_engine.throughput``), no warm-up:
     ``TASKS`` tasks of ``n`` awaits each."""
-    from asyncgpu import _engine
+    from asyncgpu._core import engine as _engine
 
     _engine.WAKE_MIN = _engine.WAKE_MAX = 64
     _engine.SPIN_S = _engine.FAULT_CHECK_S = 1e9
@@ -90,7 +90,7 @@ def _launch(em: Any, n: int, four: bool) -> None:
 def _create(em: Any, n: int) -> None:
     import numpy as np
 
-    from asyncgpu import _cuda
+    from asyncgpu._devices.cuda import backend as _cuda
 
     with tempfile.TemporaryDirectory() as tmp:
         em.bind(em.stub_driver(tmp), deferred=False)

@@ -43,11 +43,11 @@ from asyncgpu import (
     DeviceEvent,
     DeviceFunction,
     _accel,
-    _cuda,
 )
-from asyncgpu._context import _ContextState, _Ref
-from asyncgpu._engine import watcher
-from asyncgpu._trace import Trace
+from asyncgpu._core.engine import watcher
+from asyncgpu._core.state import _ContextState, _Ref
+from asyncgpu._core.trace import Trace
+from asyncgpu._devices.cuda import backend as _cuda
 
 DIMS = (1, 1, 1, 1, 1, 1, 0)
 

@@ -39,7 +39,7 @@ def main() -> dict[str, Any]:
     from bench_fastpaths import SRC
 
     import asyncgpu as ag
-    from asyncgpu import _engine
+    from asyncgpu._core import engine as _engine
 
     out: dict[str, Any] = {"environment": environment_info()}
     falls = [0]

@@ -123,7 +123,7 @@ def staged(ctx: DeviceContext, n: int) -> None:
     buf = ctx.enqueue_create_buffer(np.int32, 8)
     src = np.arange(8, dtype=np.int32)
     ctx.synchronize()
-    from asyncgpu._buffer import _Span
+    from asyncgpu._core.memory import _Span
 
     backend = ctx._state.backend
     host = _Span(src, writable=False)
@@ -197,7 +197,7 @@ def main() -> None:
         help="the CUDA watcher's spin after progress (_engine.SPIN_S; 0: park at once)",
     )
     a = p.parse_args()
-    from asyncgpu import _engine
+    from asyncgpu._core import engine as _engine
 
     if a.watcher_spin_s is not None:
         _engine.SPIN_S = a.watcher_spin_s

@@ -82,7 +82,8 @@ def main() -> dict[str, Any]:
     from cuda.bindings import driver as drv
 
     import asyncgpu as ag
-    from asyncgpu import _cuda, _engine
+    from asyncgpu._devices.cuda import _engine
+    from asyncgpu._devices.cuda import backend as _cuda
 
     out: dict[str, Any] = {"environment": environment_info(), "phases": []}
     ctx = ag.DeviceContext(api="cuda")

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import asyncgpu as ag
-from asyncgpu import _cuda
+from asyncgpu._devices.cuda import backend as _cuda
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import environment_info

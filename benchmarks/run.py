@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             at all)."""
             import os
 
-            from asyncgpu import _cuda
+            from asyncgpu._devices.cuda import backend as _cuda
 
             streams = _cuda._all_streams(ctx._state.backend)
             before = [s._kernel_event_markers for s in streams]
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         ) -> dict[str, Any]:
             """``fn`` with the reactor's wake-up budget per loop iteration set to
             ``iteration_s`` (at most ``wake_max`` tasks), then restored."""
-            from asyncgpu import _engine
+            from asyncgpu._core import engine as _engine
 
             saved = _engine.ITERATION_S, _engine.WAKE_MAX
             _engine.ITERATION_S, _engine.WAKE_MAX = iteration_s, wake_max
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             take turns round by round (three rounds each), so that a drift of the
             machine during the case falls on all of them alike; each figure is
             the median of its setting's rounds."""
-            from asyncgpu import _engine
+            from asyncgpu._core import engine as _engine
 
             settings = (0.1, 0.15, 0.2, 0.3)
             keys = (

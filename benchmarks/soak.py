@@ -131,7 +131,7 @@ def sample(ctx: DeviceContext, streams: int, progress: float, t0: float) -> dict
         "live_events": _live_events(),
     }
     if ctx.api() == "cuda":
-        from asyncgpu import _cuda
+        from asyncgpu._devices.cuda import backend as _cuda
 
         inflight = [len(ctx.select_stream(i)._impl._inflight) for i in range(streams)]
         free, total = ctx.get_memory_info()

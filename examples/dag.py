@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncgpu import DeviceContext, Kernel, ThreadBlock
-from asyncgpu._trace_export import draw_timeline
+from asyncgpu._tools.timeline import draw_timeline
 
 CUDA = r"""
 extern "C" __global__ void iota(float* x, int n) {

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncgpu import DeviceContext, Kernel, ThreadBlock
-from asyncgpu._trace_export import draw_timeline
+from asyncgpu._tools.timeline import draw_timeline
 
 POLY_CUDA = r"""
 extern "C" __global__ void poly(const float* x, float* y, int n,

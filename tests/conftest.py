@@ -102,8 +102,8 @@ def _dump_engine_state(test: str) -> None:
     stacks alone do not show which completion never came)."""
     import gc
 
-    from asyncgpu import _engine
-    from asyncgpu._stream import _PolledStream
+    from asyncgpu._core import engine as _engine
+    from asyncgpu._core.stream import _PolledStream
 
     out = _WATCHDOG_FILE
     if out is None:

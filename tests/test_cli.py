@@ -1,6 +1,6 @@
 """The ``asyncgpu`` command line: info, demo, bench, trace, help and errors.
 
-Run in-process through ``asyncgpu._cli.main`` (plus one real ``python -m``
+Run in-process through ``asyncgpu._tools.cli.main`` (plus one real ``python -m``
 subprocess), on the CPU device.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncgpu import _cli
-from asyncgpu._cli import main
+from asyncgpu._tools import cli as _cli
+from asyncgpu._tools.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -117,7 +117,7 @@ def test_demo_without_matplotlib(tmp_path, capsys, monkeypatch):
 
 
 def test_demo_failure_is_one_line(tmp_path, capsys, monkeypatch):
-    from asyncgpu import _demo
+    from asyncgpu._tools import demo as _demo
 
     async def broken(*a, **k):
         raise _demo.DemoError("batch 0: element 3 is 1.0, NumPy says 2.0")

@@ -1,4 +1,4 @@
-"""asyncgpu._compiler: CUDA C++ -> cubin with NVRTC, and its two caches.
+"""asyncgpu._devices.cuda.compiler: CUDA C++ -> cubin with NVRTC, and its two caches.
 
 These tests need NVRTC (the ``nvidia-cuda-nvrtc`` wheel) but no GPU and no
 driver: NVRTC compiles for any architecture on any machine.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncgpu import _compiler
-from asyncgpu._compiler import (
+from asyncgpu._devices.cuda import compiler as _compiler
+from asyncgpu._devices.cuda.compiler import (
     CompiledModule,
     clear_memory_cache,
     compile_cuda,
@@ -85,7 +85,7 @@ def run_fresh_python(code: str, cache_dir: Path) -> dict:
 
 FRESH_PROCESS_COMPILE = """
 import hashlib, json, sys
-from asyncgpu._compiler import compile_cuda
+from asyncgpu._devices.cuda.compiler import compile_cuda
 m = compile_cuda({src!r}, "axpy", arch="sm_90", options={options!r}, want_ptx=True)
 print(json.dumps({{
     "cache_hit": m.cache_hit,
@@ -211,7 +211,7 @@ def test_missing_nvrtc_raises_compile_error_with_the_install_hint(tmp_path):
     code = (
         "import json, sys\n"
         "sys.modules['cuda.bindings'] = None  # as if cuda-bindings were not installed\n"
-        "from asyncgpu._compiler import compile_cuda\n"
+        "from asyncgpu._devices.cuda.compiler import compile_cuda\n"
         "from asyncgpu._errors import CompileError\n"
         "try:\n"
         f"    compile_cuda({AXPY!r}, 'axpy', arch='sm_90')\n"
@@ -355,7 +355,7 @@ def test_an_entry_written_without_ptx_asked_for_serves_a_later_ptx_request_from_
 
 @needs_nvrtc
 def test_an_old_entry_without_ptx_is_recompiled_once_for_a_ptx_request(tmp_path):
-    from asyncgpu import _compiler
+    from asyncgpu._devices.cuda import compiler as _compiler
 
     compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=tmp_path)
     (path,) = kernel_files(tmp_path)

@@ -58,7 +58,7 @@ def test_a_cpu_function_right_behind_another_starts_when_that_one_returns(
     starts once the first returns, without waiting for anyone to notice the
     first one's event finish. Here nothing would (the engine's watcher is told
     nothing), so a second function that waited for that would never start."""
-    from asyncgpu import _engine
+    from asyncgpu._core import engine as _engine
 
     monkeypatch.setattr(_engine.watcher, "watch", lambda stream, seq: None)
     go, second_ran = threading.Event(), threading.Event()
@@ -196,7 +196,7 @@ async def test_cpu_functions_that_block_for_other_streams_never_use_up_the_pool(
     """Every thread of the CPU pool runs a function that blocks until another
     stream's CPU work is done, and that work is queued behind them: the pool
     starts a thread for each blocked wait (it deadlocked before 2026-12-05)."""
-    from asyncgpu._engine import cpu_pool, pool_size
+    from asyncgpu._core.pool import cpu_pool, pool_size
 
     n = pool_size()
     # First a burst of work queued behind busy threads: the executor then counts

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-cuda = pytest.importorskip("asyncgpu._cuda", reason="cuda-python is not installed")
+cuda = pytest.importorskip("asyncgpu._devices.cuda.backend", reason="cuda-python is not installed")
 
 from asyncgpu import DeviceError  # noqa: E402
-from asyncgpu._compiler import compile_cuda  # noqa: E402
+from asyncgpu._devices.cuda.compiler import compile_cuda  # noqa: E402
 
 SRC = r"""
 struct Pair { double a; int b; };
@@ -658,7 +658,7 @@ def test_host_work_starts_the_host_work_behind_it_when_it_ends() -> None:
     """The result of host work on a polled stream hands over to the host work
     enqueued right behind it: ``follow`` before the end, and ``end`` returns what
     to start; after the end ``follow`` says no, and the caller starts it."""
-    from asyncgpu._stream import _HostResult
+    from asyncgpu._core.stream import _HostResult
 
     r = _HostResult()
     started: list[str] = []

@@ -23,8 +23,8 @@ if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
 else:
     _native = pytest.importorskip("asyncgpu._native", reason="the C extension is not built")
 
-from asyncgpu import _engine
 from asyncgpu._accel import native
+from asyncgpu._core import engine as _engine
 
 pytestmark = pytest.mark.skipif(native is None, reason="asyncgpu runs without the extension")
 
@@ -322,7 +322,7 @@ class _Stream:
 
 
 def _event(stream: Any = None) -> Any:
-    from asyncgpu._event import DeviceEvent
+    from asyncgpu._core.event import DeviceEvent
 
     return DeviceEvent(stream, 1)
 

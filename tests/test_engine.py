@@ -20,8 +20,9 @@ import threading
 import pytest
 from test_markers import RecordingStream
 
-from asyncgpu import DeviceFaultError, _engine
-from asyncgpu._engine import reactor_for
+from asyncgpu import DeviceFaultError
+from asyncgpu._core import engine as _engine
+from asyncgpu._core.engine import reactor_for
 
 
 @pytest.mark.asyncio
@@ -203,7 +204,11 @@ def test_a_wake_budget_that_is_no_number_or_out_of_range_is_refused_by_name(
 def test_the_wake_budget_of_the_environment_is_the_reactors_at_import() -> None:
     env = {**os.environ, "ASYNCGPU_WAKE_BUDGET_MS": "0.05"}
     out = subprocess.run(
-        [sys.executable, "-c", "from asyncgpu import _engine; print(_engine.ITERATION_S)"],
+        [
+            sys.executable,
+            "-c",
+            "from asyncgpu._core import engine as _engine; print(_engine.ITERATION_S)",
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -167,6 +167,6 @@ def test_the_queue_cannot_be_subclassed() -> None:
 
 
 def test_a_polled_stream_keeps_its_events_in_flight_in_an_event_queue() -> None:
-    from asyncgpu._stream import _new_inflight
+    from asyncgpu._core.stream import _new_inflight
 
     assert _new_inflight is (deque if native is None else _native.EventQueue)

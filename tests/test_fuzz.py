@@ -329,7 +329,7 @@ def dim_contract(v: Any) -> tuple[Dim | None, set[type[BaseException]]]:
     return Dim(*comps), set()
 
 
-# CUDA's limits, which the CPU device enforces too (asyncgpu._cpu._LIMITS).
+# CUDA's limits, which the CPU device enforces too (asyncgpu._devices.cpu._LIMITS).
 MAX_THREADS = 1024
 MAX_BLOCK = (1024, 1024, 64)
 MAX_GRID = (2**31 - 1, 65535, 65535)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from asyncgpu import DeviceError, DeviceEvent
-from asyncgpu._stream import _Gate, _PolledStream
+from asyncgpu._core.stream import _Gate, _PolledStream
 
 
 class ModelStream(_PolledStream):

@@ -17,7 +17,9 @@ import pytest
 from _kernels import Gate
 
 import asyncgpu as ag
-from asyncgpu import _interop
+from asyncgpu._api import interop as _api_interop
+from asyncgpu._core import dlpack as _dlpack
+from asyncgpu._core import foreign as _interop
 
 
 def _has_cuda() -> bool:
@@ -199,18 +201,18 @@ def test_export_as_cuda_patches_device_and_orders_streams(cpu, monkeypatch) -> N
     capsule says kDLCUDA, the consumer's stream waits for the owner's, and at
     release the owner waits for the consumer's."""
     calls: list[tuple[int, int]] = []
-    monkeypatch.setattr(_interop, "dlpack_device", lambda buf: (2, 0))
+    monkeypatch.setattr(_dlpack, "dlpack_device", lambda buf: (2, 0))
     monkeypatch.setattr(
-        _interop, "_stream_waits_for_stream", lambda state, w, p: calls.append((w, p))
+        cpu._state.backend, "stream_waits_for_stream", lambda w, p: calls.append((w, p))
     )
     d = cpu.enqueue_create_buffer(np.float32, 4)
     owner = d._owner.handle()
     cap = d.__dlpack__(stream=1234, max_version=(1, 0))
     assert calls == [(1234, owner)]
-    t = _interop._tensor_of(cap)[0]
+    t = _dlpack._tensor_of(cap)[0]
     assert (t.device.device_type, t.device.device_id) == (2, 0)
     assert t.data == d.unsafe_ptr()
-    ptr, dtype, n, device, keep, _ro = _interop._consume_capsule(cap)
+    ptr, dtype, n, device, keep, _ro = _dlpack._consume_capsule(cap)
     assert (ptr, dtype, n, device) == (d.unsafe_ptr(), np.float32, 4, (2, 0))
     del cap, keep
     gc.collect()
@@ -283,18 +285,18 @@ def test_consume_capsule_dtypes_and_errors() -> None:
     for dt in (np.bool_, np.int8, np.uint32, np.int64, np.float16, np.float32, np.complex128):
         a = np.zeros(3, dt)
         for cap in (a.__dlpack__(), a.__dlpack__(max_version=(1, 0))):
-            ptr, dtype, n, device, keep, ro = _interop._consume_capsule(cap)
+            ptr, dtype, n, device, keep, ro = _dlpack._consume_capsule(cap)
             assert (ptr, dtype, n, device, ro) == (a.ctypes.data, np.dtype(dt), 3, (1, 0), False)
             del keep
     ro = np.zeros(2)
     ro.flags.writeable = False
-    assert _interop._consume_capsule(ro.__dlpack__(max_version=(1, 0)))[5] is True
+    assert _dlpack._consume_capsule(ro.__dlpack__(max_version=(1, 0)))[5] is True
     cap = np.zeros(2, np.float32).__dlpack__()
-    _interop._tensor_of(cap)[0].dtype.lanes = 4
+    _dlpack._tensor_of(cap)[0].dtype.lanes = 4
     with pytest.raises(BufferError, match="lanes"):
-        _interop._consume_capsule(cap)
+        _dlpack._consume_capsule(cap)
     with pytest.raises(BufferError):
-        _interop._consume_capsule(object())
+        _dlpack._consume_capsule(object())
 
 
 def test_copies_from_and_to_cpu_dlpack_objects(cpu) -> None:
@@ -372,8 +374,8 @@ def test_copy_ordering_with_a_known_producer_stream(cpu, monkeypatch) -> None:
     calls: list[tuple[int, int]] = []
     with monkeypatch.context() as m:
         m.setattr(cpu._state, "api", "cuda")
-        m.setattr(_interop, "_stream_waits_for_stream", lambda st, w, p: calls.append((w, p)))
-        m.setattr(_interop, "_pointer_device", lambda ptr: 0)
+        m.setattr(cpu._state.backend, "stream_waits_for_stream", lambda w, p: calls.append((w, p)))
+        m.setattr(_api_interop, "pointer_device", lambda ptr: 0)
         ours = cpu._impl.handle()
         src = HostCai(np.arange(8, dtype=np.float32), stream=77)
         out = np.zeros(8, np.float32)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from asyncgpu import DeviceEvent
-from asyncgpu._stream import _HardwareQueues, _PolledStream
+from asyncgpu._core.stream import _HardwareQueues, _PolledStream
 
 
 class RecordingStream(_PolledStream):

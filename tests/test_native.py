@@ -184,7 +184,7 @@ def test_bind_refuses_null_entry_points() -> None:
 @pytest.fixture
 def scalars_restored() -> Iterator[None]:
     """Whatever a test does to the in-place scalar table, the package's is back after."""
-    from asyncgpu._context import _SCALAR_SAMPLES
+    from asyncgpu._api.context import _SCALAR_SAMPLES
 
     try:
         yield
@@ -199,7 +199,7 @@ def test_a_numpy_scalar_packs_the_same_read_in_place_or_converted(
     """The launch copies a NumPy scalar's value from the scalar itself; with
     that switched off it converts it through float() or __index__: the kernel
     gets the same bytes either way."""
-    from asyncgpu._context import _SCALAR_SAMPLES
+    from asyncgpu._api.context import _SCALAR_SAMPLES
 
     value, code = _SCALAR_SAMPLES[sample], b"fdbhiqBHIQ"[sample : sample + 1]
     assert launch(driver, (value,), code) == 0

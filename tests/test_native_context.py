@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 
 from asyncgpu import DeviceBuffer, DeviceContext, DeviceEvent, DeviceFunction
-from asyncgpu import _cuda as cuda
-from asyncgpu._buffer import _BufferBase
-from asyncgpu._context import _Ref
+from asyncgpu._core.memory import _BufferBase
+from asyncgpu._core.state import _Ref
+from asyncgpu._devices.cuda import backend as cuda
 
 if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
     from asyncgpu import _native
@@ -123,7 +123,7 @@ def setup(driver: Driver, monkeypatch: pytest.MonkeyPatch) -> Setup:
     monkeypatch.setattr(DeviceContext, "_enqueue_function", general("function"))
     monkeypatch.setattr(DeviceContext, "_enqueue_create_buffer", general("create"))
     yield st
-    from asyncgpu._engine import watcher
+    from asyncgpu._core.engine import watcher
 
     _native.configure(DeviceEvent, watcher.sweep_later, cuda._PolledStream.MARK_EVERY)
 

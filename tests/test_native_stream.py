@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from asyncgpu import DeviceError, DeviceEvent
-from asyncgpu import _cuda as cuda
+from asyncgpu._devices.cuda import backend as cuda
 
 if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
     from asyncgpu import _native
@@ -114,7 +114,7 @@ def stream(driver: Driver, request: pytest.FixtureRequest) -> Iterator[Stream]:
     try:
         yield Stream(sweeps, None if request.param == "EventQueue" else deque())
     finally:
-        from asyncgpu._engine import watcher
+        from asyncgpu._core.engine import watcher
 
         _native.configure(DeviceEvent, watcher.sweep_later, cuda._PolledStream.MARK_EVERY)
 
@@ -622,7 +622,7 @@ def test_a_user_event_recorded_again_elsewhere_leaves_the_first_stream_retiring(
     point of its own, so B's later work still retires when B's counter passes it
     (until 2026-12-04 the user event itself sat in B's queue with A's number,
     and B's retirement stopped there for good: later awaits on B hung)."""
-    from asyncgpu._event import _UserEvent
+    from asyncgpu._core.event import _UserEvent
 
     a, b = stream, Stream(stream.sweeps, type(stream.s._inflight)())
     a.s.owned = b.s.owned = True
@@ -647,7 +647,7 @@ def test_a_user_event_recorded_again_elsewhere_leaves_the_first_stream_retiring(
 def test_a_user_event_recorded_again_before_its_first_point_stands_for_the_second(
     stream: Stream,
 ) -> None:
-    from asyncgpu._event import _UserEvent
+    from asyncgpu._core.event import _UserEvent
 
     s = stream
     s.s.owned = True

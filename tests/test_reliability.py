@@ -27,8 +27,9 @@ import pytest
 import trio
 from _kernels import ADD_ONE, TIMEOUT_S, Gate, blocks_for, poison, random_array
 
-from asyncgpu import ContextClosedError, DeviceContext, DeviceEvent, _engine
-from asyncgpu._engine import pool_size
+from asyncgpu import ContextClosedError, DeviceContext, DeviceEvent
+from asyncgpu._core import engine as _engine
+from asyncgpu._core.pool import pool_size
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 1024
@@ -456,7 +457,7 @@ def test_ten_thousand_cancelled_tasks_leak_nothing(ctx: DeviceContext, api: str)
     futures_before = _live(asyncio.Future)
     pinned_before = device_before = 0
     if api == "cuda":
-        from asyncgpu import _cuda
+        from asyncgpu._devices.cuda import backend as _cuda
 
         pinned_before = _cuda._pinned.cached_bytes()
         device_before = ctx.get_memory_info()[0]
@@ -873,7 +874,7 @@ def test_at_interpreter_exit_a_dropped_buffer_abandons_its_memory_instead_of_fre
     nor hands it back to the pool; its allocation is abandoned (the CUDA device
     allocation keeps its cuda.core buffer alive for good, see
     ``test_cuda_logic``)."""
-    from asyncgpu._buffer import _BufferBase
+    from asyncgpu._core.memory import _BufferBase
 
     calls: list[str] = []
 

@@ -20,8 +20,8 @@ from asyncgpu import (
     Trace,
     TraceEdge,
     TraceNode,
-    _trace_export,
 )
+from asyncgpu._core import trace_json as _trace_export
 
 
 def test_trace_records_nodes_and_stream_edges(ctx: DeviceContext, rng: np.random.Generator) -> None:

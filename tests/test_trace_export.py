@@ -1,4 +1,4 @@
-"""asyncgpu._trace_export: Chrome/Perfetto trace JSON and the timeline PNG.
+"""asyncgpu._tools.timeline: Chrome/Perfetto trace JSON and the timeline PNG.
 
 Everything runs on the CPU device; the PNG cases skip where matplotlib is not
 installed.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from asyncgpu import DeviceContext, Kernel, Trace
-from asyncgpu._trace_export import (
+from asyncgpu._tools.timeline import (
     chrome_trace_dict,
     draw_timeline,
     load_chrome_trace,
@@ -133,7 +133,7 @@ def test_flow_events_for_every_wait_edge(trace):
 def test_unfinished_nodes_fall_back_to_submit_time():
     t = Trace()
     t.streams.append("cpu:0/s0")
-    from asyncgpu._trace import TraceNode
+    from asyncgpu._core.trace import TraceNode
 
     t.nodes[0] = TraceNode(0, "cpu:0/s0", "kernel", "k", 0, [], t.t0_ns + 5_000)
     data = chrome_trace_dict(t)

@@ -11,7 +11,7 @@ Two completion styles exist:
   each operation; events complete in order when the counter passes their
   sequence number, and ``_retire`` finishes them.
 
-``DeviceStream`` is the public face of one stream.
+The public face of one stream, ``DeviceStream``, lives in ``asyncgpu._api``.
 """
 
 from __future__ import annotations
@@ -23,23 +23,23 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from . import _engine
-from ._accel import c_base, hot_lock, native
-from ._errors import DeviceError, DeviceFaultError
-from ._event import DeviceEvent, _loop_waiter, _UserEvent
+from .._accel import c_base, hot_lock, native
+from .._errors import DeviceError, DeviceFaultError
+from . import engine as _engine
+from . import pool as _pool
+from .event import DeviceEvent, _loop_waiter, _UserEvent
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ._context import DeviceContext, _ContextState
-    from ._function import DeviceFunction
-    from ._types import ConstantMemoryMapping
+    from .._types import ConstantMemoryMapping
+    from .function import DeviceFunction
 
-__all__ = ["DeviceStream"]
+__all__ = ["_HostResult", "_PolledStream", "_StreamImpl"]
 
 _getrefcount = sys.getrefcount
 
@@ -124,7 +124,7 @@ class _StreamImpl:
     priority: int = 0
     device_clock = False  # trace_stamp gives device timestamps (CUDA)
 
-    def __init__(self, state: _ContextState, index: int, priority: int) -> None:
+    def __init__(self, state: Any, index: int, priority: int) -> None:
         self.state = state
         self.index = index
         self.priority = priority
@@ -181,7 +181,7 @@ class _StreamImpl:
         raise NotImplementedError
 
     def synchronize(self) -> None:
-        _engine.refuse_wait_from_own_work(self)
+        _pool.refuse_wait_from_own_work(self)
         ev = self.tail()
         if ev is not None:
             ev._wait_blocking()
@@ -199,16 +199,12 @@ class _StreamImpl:
     def wait_for_handle(self, producer: int) -> None:
         """Later work here waits, on the device, for what the foreign stream
         ``producer`` has been given so far."""
-        from . import _interop
-
-        _interop._stream_waits_for_stream(self.state, self.handle(), producer)
+        self.state.backend.stream_waits_for_stream(self.handle(), producer)
 
     def order_handle_after(self, waiter: int, settle: bool = True) -> None:
         """The foreign stream ``waiter`` waits, on the device, for everything
         enqueued here so far."""
-        from . import _interop
-
-        _interop._stream_waits_for_stream(self.state, waiter, self.handle())
+        self.state.backend.stream_waits_for_stream(waiter, self.handle())
 
     def handle(self) -> int:
         """The native handle (``CUstream`` address on CUDA, 0 on the CPU device)."""
@@ -304,7 +300,7 @@ class _PolledStream(_StreamImpl, _StreamBase):
     MARK_EVERY = 32
     _queues: _HardwareQueues = _OWN_QUEUES  # the device's hardware queues
 
-    def __init__(self, state: _ContextState, index: int, priority: int) -> None:
+    def __init__(self, state: Any, index: int, priority: int) -> None:
         super().__init__(state, index, priority)
         self._seq = 0  # last sequence number handed out
         self._marked = 0  # sequence number covered by the last marker placed
@@ -553,7 +549,7 @@ class _PolledStream(_StreamImpl, _StreamBase):
             p.append((0, handed.set))
         # (Held work here is held behind host work: a CPU function of this
         # stream would wait for itself.)
-        with _engine.waiting_for(self):
+        with _pool.waiting_for(self):
             while not handed.wait(0.005):
                 self._check_fault()
 
@@ -583,100 +579,3 @@ class _PolledStream(_StreamImpl, _StreamBase):
                 name=getattr(err, "name", None),
             )
             ev._finish(None, e)
-
-
-class DeviceStream:
-    """A stream of a device context: work enqueued on it runs in order.
-
-    ``await stream`` waits (without blocking the loop) for everything enqueued on
-    it so far; ``synchronize()`` blocks for the same.
-    """
-
-    __slots__ = ("_ctx", "_impl")
-
-    def __init__(self, ctx: DeviceContext, impl: _StreamImpl) -> None:
-        self._ctx = ctx
-        self._impl = impl
-
-    def context(self) -> DeviceContext:
-        """A view of the owning context bound to this stream."""
-        return self._ctx._view(self._impl)
-
-    def synchronize(self) -> None:
-        """Block until all work enqueued on this stream has completed
-        (``cuStreamSynchronize`` on CUDA)."""
-        self._ctx._check_open()
-        self._impl.synchronize()
-
-    def record_event(self, event: DeviceEvent) -> None:
-        """Record ``event`` (from ``create_event`` on this device) at the current
-        end of this stream (``cuEventRecord``); it then stands for that point only,
-        whatever it stood for before. Never blocks."""
-        self._ctx._check_open()
-        if not isinstance(event, _UserEvent):
-            raise TypeError(
-                "record_event takes an event made by create_event(), not "
-                + (
-                    "the event of an enqueued operation"
-                    if isinstance(event, DeviceEvent)
-                    else type(event).__name__
-                )
-            )
-        state = self._ctx._state
-        if event._device != (state.api, state.device_id):
-            api, device_id = event._device
-            raise ValueError(
-                f"record_event: the event was made for {api}:{device_id}, this stream is "
-                f"on {state.api}:{state.device_id}"
-            )
-        self._impl.record(event)
-
-    def enqueue_wait_for(self, other: Any) -> DeviceEvent:
-        """Make later work on this stream wait, on the device, for ``other`` (a
-        DeviceContext, DeviceStream or DeviceEvent). The host never blocks."""
-        return self.context().enqueue_wait_for(other)
-
-    def enqueue_function(self, f: Any, *args: Any, **launch: Any) -> DeviceEvent:
-        """Launch ``f`` on this stream (see ``DeviceContext.enqueue_function``)."""
-        return self.context().enqueue_function(f, *args, **launch)
-
-    def priority(self) -> int:
-        """The stream's priority (lower numbers are higher priority on CUDA)."""
-        return self._impl.priority
-
-    @property
-    def index(self) -> int:
-        return self._impl.index
-
-    @property
-    def handle(self) -> int:
-        """The native stream handle as an int (``CUstream``; 0 on the CPU device).
-
-        Work you submit to it yourself runs after everything enqueued here so far:
-        if the stream holds work behind CPU work, this blocks until that work has
-        been handed to the driver."""
-        self._impl._settle()
-        return self._impl.handle()
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        """The CUDA stream protocol: ``(0, handle)`` (blocks as ``handle`` does)."""
-        if self._impl.state.api != "cuda":
-            raise TypeError("__cuda_stream__ is only defined for CUDA streams")
-        self._impl._settle()
-        return (0, self._impl.handle())
-
-    def __await__(self) -> Generator[Any, None, None]:
-        self._ctx._check_open()
-        ev = self._impl.point()
-        if ev is not None:
-            yield from ev._wait_async()
-            ev._raise_fault()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, DeviceStream) and other._impl is self._impl
-
-    def __hash__(self) -> int:
-        return id(self._impl)
-
-    def __repr__(self) -> str:
-        return f"<DeviceStream {self._impl.label} priority={self._impl.priority}>"

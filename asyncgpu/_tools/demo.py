@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from ._context import DeviceContext
-from ._function import Kernel, ThreadBlock
-from ._trace_export import _span_ns
+from .._api.context import DeviceContext
+from .._core.function import Kernel, ThreadBlock
+from .._core.trace_json import _span_ns
 
 __all__ = ["SAXPY", "DemoError", "DemoResult", "run_demo"]
 
@@ -241,7 +241,7 @@ async def run_demo(
     _print_table(result, echo)
     if png:
         try:
-            from ._trace_export import draw_timeline
+            from .timeline import draw_timeline
 
             png_path = out / PNG_NAME
             draw_timeline(

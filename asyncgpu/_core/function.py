@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ._accel import c_base
-from ._types import DeviceAttribute, Dim, check_int
+from .._accel import c_base
+from .._types import DeviceAttribute, Dim, check_int
 
 if TYPE_CHECKING:
-    from ._context import DeviceContext
+    from .protocols import ContextView
 
 __all__ = ["DeviceExternalFunction", "DeviceFunction", "Kernel", "ThreadBlock", "kernel"]
 
@@ -150,7 +150,7 @@ class DeviceFunction(_FunctionBase):
 
     def __init__(
         self,
-        ctx: DeviceContext,
+        ctx: ContextView,
         name: str,
         impl: Any,
         *,
@@ -166,7 +166,7 @@ class DeviceFunction(_FunctionBase):
         self.sass = sass
         self.log = log
 
-    def context(self) -> DeviceContext:
+    def context(self) -> ContextView:
         return self._ctx
 
     def get_attribute(self, attr: int) -> int:

@@ -64,7 +64,8 @@ def _version_text(api: str, v: int) -> str:
 
 
 def _device_facts(api: str, device_id: int) -> dict[str, Any]:
-    from . import DeviceAttribute, DeviceContext
+    from .._api.context import DeviceContext
+    from .._types import DeviceAttribute
 
     facts: dict[str, Any] = {"api": api, "id": device_id}
     with DeviceContext(device_id, api=api) as ctx:
@@ -103,7 +104,7 @@ def _device_facts(api: str, device_id: int) -> dict[str, Any]:
 
 
 def _api_facts(api: str) -> dict[str, Any]:
-    from . import DeviceContext
+    from .._api.context import DeviceContext
 
     try:
         count = DeviceContext.number_of_devices(api=api)
@@ -158,7 +159,8 @@ def _print_info(data: dict[str, Any]) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from . import __version__, default_api
+    from .._api.context import default_api
+    from .._version import __version__
 
     try:
         dflt = default_api()
@@ -198,7 +200,7 @@ def _positive(text: str) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
+    from .demo import run_demo
 
     try:
         asyncio.run(
@@ -251,7 +253,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from ._trace_export import draw_timeline, load_chrome_trace, timeline_of
+    from .timeline import draw_timeline, load_chrome_trace, timeline_of
 
     src = Path(args.file)
     if not src.is_file():
@@ -287,7 +289,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .._version import __version__
 
     p = _Parser(
         prog=PROG,

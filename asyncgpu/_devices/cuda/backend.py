@@ -36,11 +36,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _accel, _interop
-from ._buffer import DeviceBuffer, HostBuffer
-from ._compiler import compile_cuda, dump_sass, write_dump
-from ._engine import cpu_pool, fan_out, host_work, pool_size, range_work, waiting_for, watcher
-from ._errors import (
+from ... import _accel
+from ..._core import foreign as _interop
+from ..._core.engine import watcher
+from ..._core.event import DeviceEvent, _UserEvent
+from ..._core.function import DeviceExternalFunction, DeviceFunction, Kernel, reject_python_scalar
+from ..._core.memory import DeviceBuffer, HostBuffer
+from ..._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work, waiting_for
+from ..._core.stream import _Gate, _HardwareQueues, _HostResult, _PolledStream, _StreamImpl
+from ..._errors import (
     CompileError,
     DeviceError,
     DeviceFaultError,
@@ -48,14 +52,12 @@ from ._errors import (
     NoDeviceError,
     UnsupportedError,
 )
-from ._event import DeviceEvent, _UserEvent
-from ._function import DeviceExternalFunction, DeviceFunction, Kernel, reject_python_scalar
-from ._stream import _Gate, _HardwareQueues, _HostResult, _PolledStream, _StreamImpl
-from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
+from ..._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
+from .compiler import compile_cuda, dump_sass, write_dump
 
 if TYPE_CHECKING:
-    from ._context import DeviceContext, _ContextState
-    from ._types import ConstantMemoryMapping, FuncAttribute, LaunchAttribute
+    from ..._api.context import DeviceContext, _ContextState
+    from ..._types import ConstantMemoryMapping, FuncAttribute, LaunchAttribute
 
 from cuda.bindings import driver as cu
 from cuda.core import launch as _launch
@@ -1481,6 +1483,38 @@ class CudaBackend:
             _check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
             _tls.ctx = ctx
 
+    # -- other libraries' memory and streams ------------------------------------------
+
+    def stream_waits_for_stream(self, waiter: int, producer: int) -> None:
+        """``waiter`` waits on the device for all work submitted to ``producer`` so
+        far: a CUDA event recorded on one (``cuEventRecord``) and waited for on the
+        other (``cuStreamWaitEvent``). Neither call blocks the host."""
+        self.make_current()
+        e = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        try:
+            _check(cu.cuEventRecord(e, cu.CUstream(producer)), "cuEventRecord")
+            _check(cu.cuStreamWaitEvent(cu.CUstream(waiter), e, 0), "cuStreamWaitEvent")
+        finally:
+            cu.cuEventDestroy(e)
+
+    def is_pinned(self, ptr: int) -> bool:
+        """True if a host address is page-locked memory CUDA knows (pinned or
+        registered), by ``cuPointerGetAttribute``."""
+        self.make_current()
+        err, kind = cu.cuPointerGetAttribute(
+            cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, cu.CUdeviceptr(ptr)
+        )
+        return bool(err == _SUCCESS and int(kind) == int(cu.CUmemorytype.CU_MEMORYTYPE_HOST))
+
+    @staticmethod
+    def pointer_device(ptr: int) -> int | None:
+        """The device ordinal of a CUDA address (None when the driver cannot say),
+        by ``cuPointerGetAttribute``."""
+        err, dev = cu.cuPointerGetAttribute(
+            cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, cu.CUdeviceptr(ptr)
+        )
+        return int(dev) if err == _SUCCESS else None
+
     @contextlib.contextmanager
     def push_context(self) -> Iterator[None]:
         _check(cu.cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
@@ -2006,7 +2040,7 @@ class CudaBackend:
         if coop and not self.attribute(DeviceAttribute.COOPERATIVE_LAUNCH):
             raise UnsupportedError("this device has no cooperative launches")
         if shmem > impl.shmem_optin:
-            from ._types import FuncAttribute
+            from ..._types import FuncAttribute
 
             self.set_function_attribute(impl, FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(shmem))
         if cluster is not None:

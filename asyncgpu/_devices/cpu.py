@@ -22,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._buffer import _BufferBase
-from ._engine import cpu_pool, fan_out, host_work, pool_size, range_work
-from ._errors import CompileError, UnsupportedError
-from ._event import DeviceEvent, _UserEvent
-from ._function import DeviceFunction, Kernel, ThreadBlock, reject_python_scalar
-from ._stream import _StreamImpl
-from ._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
+from .._core.event import DeviceEvent, _UserEvent
+from .._core.function import DeviceFunction, Kernel, ThreadBlock, reject_python_scalar
+from .._core.memory import _BufferBase
+from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work
+from .._core.stream import _StreamImpl
+from .._errors import CompileError, UnsupportedError
+from .._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
 if TYPE_CHECKING:
-    from ._context import DeviceContext, _ContextState
-    from ._types import ConstantMemoryMapping, LaunchAttribute
+    from .._api.context import DeviceContext, _ContextState
+    from .._types import ConstantMemoryMapping, LaunchAttribute
 
 __all__ = ["CpuBackend"]
 
@@ -316,6 +316,15 @@ class CpuBackend:
         self.device_id = 0
         self._info: GPUInfo | None = None
 
+    def make_current(self) -> None:
+        """Nothing to do: the host has no device context to make current."""
+
+    def stream_waits_for_stream(self, waiter: int, producer: int) -> None:
+        raise UnsupportedError("the CPU device has no native streams to order")
+
+    def is_pinned(self, ptr: int) -> bool:
+        return False
+
     # -- facts -----------------------------------------------------------------------
 
     @staticmethod
@@ -385,7 +394,7 @@ class CpuBackend:
         probe = np.arange(4096, dtype=np.uint32) * np.uint32(2654435761)
         out = cpu_pool().submit(np.copy, probe).result(timeout=30)
         if not np.array_equal(out, probe):  # pragma: no cover - broken host
-            from ._errors import HealthCheckError
+            from .._errors import HealthCheckError
 
             raise HealthCheckError("host memory did not hold a test pattern", check="memory")
 

@@ -12,7 +12,7 @@ How an await resolves (docs/completion.md has the full story):
 * otherwise the stream is asked once whether the point was reached (on CUDA a
   plain read of a counter that the GPU writes into host-mapped memory);
 * otherwise the awaiting task hands the event to its loop's reactor
-  (``asyncgpu._engine``), which polls every stream with pending awaits once per
+  (``engine``), which polls every stream with pending awaits once per
   loop iteration and parks on a timer when nothing moves. Under trio, or from a
   thread, the engine's watcher thread resolves the wait.
 
@@ -29,11 +29,9 @@ import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
-from ._accel import c_base, native
-from ._errors import AsyncGPUError
-
-if TYPE_CHECKING:
-    from ._stream import _StreamImpl
+from .._accel import c_base, native
+from .._errors import AsyncGPUError, DeviceFaultError
+from .pool import waiting_for
 
 __all__ = ["DeviceEvent"]
 
@@ -60,7 +58,7 @@ class _EventFields:
         "_waiters",
     )
 
-    def __init__(self, stream: _StreamImpl | None, seq: int = 0, keep: Any = None) -> None:
+    def __init__(self, stream: Any, seq: int = 0, keep: Any = None) -> None:
         self._stream = stream
         self._seq = seq
         self._done = False
@@ -258,16 +256,12 @@ class DeviceEvent(_EventBase):
             stream = self._stream
             if stream is None:
                 raise AsyncGPUError("this event was never recorded on a stream")
-            from ._engine import waiting_for
-
             with waiting_for(stream, self._seq):
                 stream._block(self)
 
     def _raise_fault(self) -> None:
         """Raise the event's error if it is a device fault (a stream-level wait
         reports faults, not the exceptions of individual CPU functions)."""
-        from ._errors import DeviceFaultError
-
         if isinstance(self._error, DeviceFaultError):
             raise self._error
 
@@ -304,7 +298,7 @@ class _UserEvent(DeviceEvent):
         ev._point = None
         return ev
 
-    def _repoint(self, stream: _StreamImpl, seq: int, point: DeviceEvent | None) -> None:
+    def _repoint(self, stream: Any, seq: int, point: DeviceEvent | None) -> None:
         """Point this event at the end of operation ``seq`` of ``stream`` (a
         record; ``point`` stands for it there), not done. An earlier record that
         is reached later finishes nothing (``_finish_at``): as with
@@ -317,7 +311,7 @@ class _UserEvent(DeviceEvent):
             self._error = None
             self._done = False
 
-    def _finish_at(self, stream: _StreamImpl, seq: int, error: BaseException | None) -> None:
+    def _finish_at(self, stream: Any, seq: int, error: BaseException | None) -> None:
         """The record (``stream``, ``seq``) was reached: finish this event, unless
         it was recorded again since. The lock makes the test and the finish one
         step against ``_repoint``; the waiters are woken outside it."""

@@ -16,19 +16,33 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
-from . import _engine
-from ._accel import c_base, native
-from ._buffer import DeviceBuffer, HostBuffer, _BufferBase, _Pointer, _Span, as_dtype, check_size
-from ._errors import ContextClosedError, NoDeviceError, UnsupportedError
-from ._event import DeviceEvent, _UserEvent
-from ._function import DeviceFunction, Kernel
-from ._stream import DeviceStream, _StreamImpl
-from ._trace import Trace
-from ._types import (
+from .._accel import native
+from .._core import engine as _engine
+from .._core import pool as _pool
+from .._core.event import DeviceEvent, _UserEvent
+from .._core.foreign import operand as foreign_operand
+from .._core.function import DeviceFunction, Kernel
+from .._core.memory import (
+    DeviceBuffer,
+    HostBuffer,
+    _BufferBase,
+    _Pointer,
+    _Span,
+    as_dtype,
+    check_size,
+)
+from .._core.state import _ContextState, _Ref
+from .._core.stream import _StreamImpl
+from .._core.trace import Trace
+from .._core.trace_json import write_chrome_trace
+from .._core.view import _ContextBase
+from .._devices import backend_class, cuda_available
+from .._errors import ContextClosedError, NoDeviceError, UnsupportedError
+from .._types import (
     ConstantMemoryMapping,
     DeviceAttribute,
     Dim,
@@ -40,35 +54,11 @@ from ._types import (
     StreamPriorityRange,
     check_int,
 )
+from .stream import DeviceStream
 
 __all__ = ["DeviceContext"]
 
 _DEFAULT_NUM_STREAMS = 8
-
-
-def _backend_class(api: str) -> Any:
-    if api == "cpu":
-        from ._cpu import CpuBackend
-
-        return CpuBackend
-    if api == "cuda":
-        try:
-            from ._cuda import CudaBackend
-        except ImportError as e:
-            raise NoDeviceError(
-                f"the CUDA device needs cuda-python ({e}); pip install 'asyncgpu[cuda]'"
-            ) from None
-        return CudaBackend
-    raise ValueError(f"unknown device api {api!r}: use 'cuda' or 'cpu'")
-
-
-def _cuda_available() -> bool:
-    try:
-        from ._cuda import CudaBackend
-
-        return CudaBackend.number_of_devices() > 0
-    except Exception:
-        return False
 
 
 def default_api() -> str:
@@ -80,133 +70,7 @@ def default_api() -> str:
         if api not in ("cpu", "cuda"):
             raise ValueError(f"ASYNCGPU_API must be cpu or cuda, not {env!r}")
         return api
-    return "cuda" if _cuda_available() else "cpu"
-
-
-class _StateFields:
-    """Where the C extension is built, a context state's ``closed`` and ``trace``
-    are fields of ``asyncgpu._native.StateCore``, which the C hot paths read
-    directly; here they are plain attributes."""
-
-
-if TYPE_CHECKING:
-    _StateBase = _StateFields
-else:
-    _StateBase = c_base("StateCore", _StateFields)
-
-
-class _ContextState(_StateBase):
-    """What all views (and copies) of one device context share."""
-
-    def __init__(self, api: str, device_id: int, num_streams: int) -> None:
-        self.api = api
-        self.device_id = device_id
-        self.backend = _backend_class(api)(device_id)
-        self.closed = False
-        self.refs = 1
-        self.lock = threading.RLock()
-        self.trace: Trace | None = None
-        self.num_streams = num_streams
-        self.streams: list[_StreamImpl | None] = [None] * num_streams
-        self.extra_streams: list[_StreamImpl] = []
-        self.compiled: dict[Any, DeviceFunction] = {}
-        self.limits: dict[DeviceAttribute, int] = {}
-        # The pool's streams are made together, one after another: the CUDA driver
-        # hands its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) to
-        # new streams in turn, so streams made together get queues of their own,
-        # and work on one never waits behind another's in a shared queue.
-        for i in range(num_streams):
-            self.streams[i] = self.backend.new_stream(self, i, 0)
-
-    def describe(self) -> str:
-        return f"{self.api}:{self.device_id}"
-
-    def stream(self, i: int) -> _StreamImpl:
-        s = self.streams[i]
-        if s is None:
-            with self.lock:
-                s = self.streams[i]
-                if s is None:
-                    s = self.streams[i] = self.backend.new_stream(self, i, 0)
-        return s
-
-    def all_streams(self) -> list[_StreamImpl]:
-        return [s for s in self.streams if s is not None] + list(self.extra_streams)
-
-    def limit(self, attr: DeviceAttribute) -> int:
-        v = self.limits.get(attr)
-        if v is None:
-            v = self.limits[attr] = self.backend.attribute(attr)
-        return v
-
-    def fail_all(self, err: BaseException) -> None:
-        for s in self.all_streams():
-            fail = getattr(s, "_fail", None)
-            if fail is not None:
-                fail(err)
-
-    def close(self) -> None:
-        """Wait for all work, then release streams, caches and the backend."""
-        with self.lock:
-            if self.closed:
-                return
-            streams = self.all_streams()
-        errors: list[BaseException] = []
-        for s in streams:
-            try:
-                s.synchronize()
-            except Exception as e:  # a faulted device still gets released
-                errors.append(e)
-        with self.lock:
-            self.closed = True
-            for s in streams:
-                with contextlib.suppress(Exception):
-                    s.close()
-            self.compiled.clear()
-            with contextlib.suppress(Exception):
-                self.backend.close()
-
-
-class _RefFields:
-    """Whether a reference is open (``asyncgpu._native.RefCore``'s field where the
-    C extension is built)."""
-
-    __slots__ = ("open",)
-
-
-if TYPE_CHECKING:
-    _RefBase = _RefFields
-else:
-    _RefBase = c_base("RefCore", _RefFields)
-
-
-class _Ref(_RefBase):
-    """One reference to a context state (a handle and the views made from it).
-    ``owner`` is a weak reference to the handle whose ``close`` releases it (a
-    view's ``close`` does not, while that handle lives)."""
-
-    __slots__ = ("owner",)
-    open: bool
-    owner: weakref.ref[DeviceContext] | None
-
-    def __init__(self) -> None:
-        self.open = True
-        self.owner = None
-
-
-class _ContextFields:
-    """The fields of a ``DeviceContext``: its shared state, its current stream,
-    and its reference (in ``asyncgpu._native.ContextCore`` where the extension is
-    built, whose C ``enqueue_function`` and ``enqueue_create_buffer`` read them
-    directly)."""
-
-    __slots__ = ("_impl", "_ref", "_state")
-
-
-if TYPE_CHECKING:
-    _ContextBase = _ContextFields
-else:
-    _ContextBase = c_base("ContextCore", _ContextFields)
+    return "cuda" if cuda_available() else "cpu"
 
 
 class DeviceContext(_ContextBase):
@@ -257,7 +121,7 @@ class DeviceContext(_ContextBase):
         num_streams = check_int(num_streams, "num_streams")
         if num_streams < 1:
             raise ValueError(f"num_streams must be at least 1, got {num_streams}")
-        self._state = _ContextState(api, int(device_id), num_streams)
+        self._state = _ContextState(api, int(device_id), num_streams, backend_class(api)(device_id))
         self._impl = self._state.stream(0)
         self._ref = _Ref()
         self._ref.owner = weakref.ref(self)
@@ -307,10 +171,10 @@ class DeviceContext(_ContextBase):
             if not self._state.closed:
                 self._impl.synchronize()
             return
-        running = _engine.host_work.stream
+        running = _pool.host_work.stream
         if running is not None and running.state is self._state and self._state.refs == 1:
             # The last reference would wait for all work, this CPU function's too.
-            _engine.refuse_wait_from_own_work(running)
+            _pool.refuse_wait_from_own_work(running)
         ref.open = False
         state = self._state
         with state.lock:
@@ -320,17 +184,13 @@ class DeviceContext(_ContextBase):
             trace = state.trace
             state.close()
             if trace is not None and trace.path:
-                from . import _trace_export
-
                 with contextlib.suppress(Exception):
                     path = trace.path.replace("{pid}", str(os.getpid())).replace(
                         "{ctx}", f"{state.api}{state.device_id}-{id(state):x}"
                     )
-                    _trace_export.write_chrome_trace(trace, path)
-            from ._engine import watcher
-
+                    write_chrome_trace(trace, path)
             if not _any_polled_open():
-                watcher.stop()
+                _engine.watcher.stop()
             _live_states.discard(state)
 
     async def aclose(self) -> None:
@@ -452,7 +312,7 @@ class DeviceContext(_ContextBase):
     def number_of_devices(*, api: str | None = None) -> int:
         """Devices available for ``api`` (default: the default api)."""
         api = (api or default_api()).lower()
-        cls = _backend_class(api)
+        cls = backend_class(api)
         try:
             return int(cls.number_of_devices())
         except NoDeviceError:
@@ -462,17 +322,17 @@ class DeviceContext(_ContextBase):
     def enable_all_peer_access() -> None:
         """Enable peer access between every pair of GPUs that allows it (a no-op
         with fewer than two)."""
-        if _cuda_available():
-            from ._cuda import CudaBackend
+        if cuda_available():
+            from .._devices.cuda.backend import CudaBackend
 
             CudaBackend.enable_all_peer_access()
 
     @staticmethod
     def all_peer_access_enabled() -> bool:
         """True only if every GPU can reach every other (False with fewer than two)."""
-        if not _cuda_available():
+        if not cuda_available():
             return False
-        from ._cuda import CudaBackend
+        from .._devices.cuda.backend import CudaBackend
 
         return CudaBackend.all_peer_access_enabled()
 
@@ -743,9 +603,7 @@ class DeviceContext(_ContextBase):
         t = type(obj)
         if hasattr(t, "__cuda_array_interface__") or hasattr(t, "__dlpack__"):
             # Another library's array (CuPy, PyTorch, numba, JAX...): wrapped in place.
-            from . import _interop
-
-            return _interop.operand(self, obj, writable)
+            return foreign_operand(self, obj, writable)
         raise TypeError(
             "a copy operand must be a DeviceBuffer, a HostBuffer, a NumPy array, an array "
             "with __cuda_array_interface__ or __dlpack__, or (with a size) an int address, "
@@ -1103,9 +961,7 @@ class DeviceContext(_ContextBase):
                 for s in state.all_streams():
                     with contextlib.suppress(Exception):
                         s.synchronize()
-                from . import _trace_export
-
-                _trace_export.write_chrome_trace(t, t.path)
+                write_chrome_trace(t, t.path)
 
     def __repr__(self) -> str:
         state = "closed" if self._state.closed else self._impl.label

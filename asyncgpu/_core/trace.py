@@ -40,11 +40,11 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from . import _buffer
+from . import memory as _buffer
 
 if TYPE_CHECKING:
-    from ._event import DeviceEvent
-    from ._stream import _StreamImpl
+    from .event import DeviceEvent
+    from .stream import _StreamImpl
 
 __all__ = ["Trace", "TraceEdge", "TraceNode"]
 

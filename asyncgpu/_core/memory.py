@@ -18,14 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._accel import c_base, native
-from ._errors import ContextClosedError
-from ._types import check_int
+from .._accel import c_base, native
+from .._errors import ContextClosedError
+from .._types import check_int
+from .dlpack import array_interface, dlpack_device, export_dlpack, host_array
+from .view import _ContextBase
 
 if TYPE_CHECKING:
-    from ._context import DeviceContext
-    from ._event import DeviceEvent
-    from ._stream import _StreamImpl
+    from .event import DeviceEvent
+    from .protocols import ContextView
+    from .stream import _StreamImpl
 
 __all__ = ["DeviceBuffer", "HostBuffer", "as_dtype"]
 
@@ -126,7 +128,7 @@ class _BufferFields:
         "_size",
     )
     _alloc: Any
-    _ctx: DeviceContext
+    _ctx: ContextView
     _dtype: np.dtype[Any]
     _hostbytes: np.ndarray | None
     _nbytes: int
@@ -160,7 +162,7 @@ class _BufferBase(_BufferFieldsBase):
 
     def __init__(
         self,
-        ctx: DeviceContext,
+        ctx: ContextView,
         alloc: Any,
         dtype: np.dtype[Any],
         size: int,
@@ -194,7 +196,7 @@ class _BufferBase(_BufferFieldsBase):
     def nbytes(self) -> int:
         return self._nbytes
 
-    def context(self) -> DeviceContext:
+    def context(self) -> ContextView:
         """The context (bound to the owning stream) this buffer belongs to."""
         return self._ctx._view(self._owner)
 
@@ -227,13 +229,12 @@ class _BufferBase(_BufferFieldsBase):
         self._owns = False
         return ptr
 
-    def reassign_ownership_to(self, ctx: DeviceContext) -> None:
+    def reassign_ownership_to(self, ctx: ContextView) -> None:
         """Make ``ctx``'s current stream the owner: later frees and cross-stream
         copies are ordered on it. Its stream first waits for the old owner."""
         self._check()
-        from ._context import DeviceContext
 
-        if not isinstance(ctx, DeviceContext):
+        if not isinstance(ctx, _ContextBase):
             raise TypeError(
                 "reassign_ownership_to takes a DeviceContext (for a stream: "
                 f"stream.context()), not {type(ctx).__name__}"
@@ -369,14 +370,10 @@ class DeviceBuffer(_BufferBase):
         ``stream`` waits on the device for the owning stream's work so far; on the
         CPU device the memory is host memory: await the writes first. The capsule
         keeps the buffer alive."""
-        from ._interop import export_dlpack
-
         return export_dlpack(self, stream, max_version, dl_device, copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(2, device_id)`` (kDLCUDA) on CUDA, ``(1, 0)`` (kDLCPU) on the CPU device."""
-        from ._interop import dlpack_device
-
         return dlpack_device(self)
 
 
@@ -392,8 +389,6 @@ class HostBuffer(_BufferBase):
         """A NumPy view of the buffer (no copy) that keeps the buffer, and so its
         memory, alive for as long as the view exists."""
         self._check()
-        from ._interop import host_array
-
         return host_array(self)
 
     def __getitem__(self, index: Any) -> Any:
@@ -405,8 +400,6 @@ class HostBuffer(_BufferBase):
     def __buffer__(self, flags: int) -> memoryview:
         """The buffer protocol (Python 3.12+: ``memoryview(h)``, ``bytes(h)``); the
         view keeps the buffer alive."""
-        from ._interop import host_array
-
         self._check()
         return memoryview(host_array(self))  # type: ignore[arg-type]
 
@@ -414,14 +407,10 @@ class HostBuffer(_BufferBase):
     def __array_interface__(self) -> dict[str, Any]:
         """NumPy's array interface: ``np.asarray(h)`` is a view (no copy) whose base
         is the buffer, so the buffer lives as long as the view."""
-        from ._interop import array_interface
-
         self._check()
         return array_interface(self)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        from ._interop import host_array
-
         self._check()
         a = host_array(self)
         if dtype is not None and np.dtype(dtype) != a.dtype:
@@ -441,8 +430,6 @@ class HostBuffer(_BufferBase):
         """DLPack export as host memory (kDLCPU), no copy: ``np.from_dlpack(h)``,
         ``torch.from_dlpack(h)``. Like ``as_numpy()``, it does not wait: await the
         operations that write the buffer first. The capsule keeps the buffer alive."""
-        from ._interop import export_dlpack
-
         return export_dlpack(self, stream, max_version, dl_device, copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:

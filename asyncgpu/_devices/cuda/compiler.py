@@ -60,7 +60,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ._errors import CompileError
+from ..._errors import CompileError
 
 __all__ = [
     "CompiledModule",

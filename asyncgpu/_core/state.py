@@ -1,0 +1,134 @@
+"""What all views of one device context share (``_ContextState``), the
+reference a view holds (``_Ref``), and the fields of a view (``_ContextBase``,
+which ``DeviceContext`` extends).
+
+The backend is handed in by the public face, which chose it (``_devices``): the
+core never names a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .._accel import c_base
+from .._types import DeviceAttribute
+from .function import DeviceFunction
+from .protocols import Backend
+from .stream import _StreamImpl
+from .trace import Trace
+
+__all__ = ["_ContextState", "_Ref"]
+
+
+class _StateFields:
+    """Where the C extension is built, a context state's ``closed`` and ``trace``
+    are fields of ``asyncgpu._native.StateCore``, which the C hot paths read
+    directly; here they are plain attributes."""
+
+
+if TYPE_CHECKING:
+    _StateBase = _StateFields
+else:
+    _StateBase = c_base("StateCore", _StateFields)
+
+
+class _ContextState(_StateBase):
+    """What all views (and copies) of one device context share."""
+
+    def __init__(self, api: str, device_id: int, num_streams: int, backend: Backend) -> None:
+        self.api = api
+        self.device_id = device_id
+        self.backend = backend
+        self.closed = False
+        self.refs = 1
+        self.lock = threading.RLock()
+        self.trace: Trace | None = None
+        self.num_streams = num_streams
+        self.streams: list[_StreamImpl | None] = [None] * num_streams
+        self.extra_streams: list[_StreamImpl] = []
+        self.compiled: dict[Any, DeviceFunction] = {}
+        self.limits: dict[DeviceAttribute, int] = {}
+        # The pool's streams are made together, one after another: the CUDA driver
+        # hands its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) to
+        # new streams in turn, so streams made together get queues of their own,
+        # and work on one never waits behind another's in a shared queue.
+        for i in range(num_streams):
+            self.streams[i] = self.backend.new_stream(self, i, 0)
+
+    def describe(self) -> str:
+        return f"{self.api}:{self.device_id}"
+
+    def stream(self, i: int) -> _StreamImpl:
+        s = self.streams[i]
+        if s is None:
+            with self.lock:
+                s = self.streams[i]
+                if s is None:
+                    s = self.streams[i] = self.backend.new_stream(self, i, 0)
+        return s
+
+    def all_streams(self) -> list[_StreamImpl]:
+        return [s for s in self.streams if s is not None] + list(self.extra_streams)
+
+    def limit(self, attr: DeviceAttribute) -> int:
+        v = self.limits.get(attr)
+        if v is None:
+            v = self.limits[attr] = self.backend.attribute(attr)
+        return v
+
+    def fail_all(self, err: BaseException) -> None:
+        for s in self.all_streams():
+            fail = getattr(s, "_fail", None)
+            if fail is not None:
+                fail(err)
+
+    def close(self) -> None:
+        """Wait for all work, then release streams, caches and the backend."""
+        with self.lock:
+            if self.closed:
+                return
+            streams = self.all_streams()
+        errors: list[BaseException] = []
+        for s in streams:
+            try:
+                s.synchronize()
+            except Exception as e:  # a faulted device still gets released
+                errors.append(e)
+        with self.lock:
+            self.closed = True
+            for s in streams:
+                with contextlib.suppress(Exception):
+                    s.close()
+            self.compiled.clear()
+            with contextlib.suppress(Exception):
+                self.backend.close()
+
+
+class _RefFields:
+    """Whether a reference is open (``asyncgpu._native.RefCore``'s field where the
+    C extension is built)."""
+
+    __slots__ = ("open",)
+
+
+if TYPE_CHECKING:
+    _RefBase = _RefFields
+else:
+    _RefBase = c_base("RefCore", _RefFields)
+
+
+class _Ref(_RefBase):
+    """One reference to a context state (a handle and the views made from it).
+    ``owner`` is a weak reference to the handle whose ``close`` releases it (a
+    view's ``close`` does not, while that handle lives)."""
+
+    __slots__ = ("owner",)
+    open: bool
+    owner: weakref.ref[Any] | None
+
+    def __init__(self) -> None:
+        self.open = True
+        self.owner = None

@@ -1,0 +1,2 @@
+"""Tools built on the public face: the command line, the demo, the timeline
+picture."""
