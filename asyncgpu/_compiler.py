@@ -571,8 +571,8 @@ def compile_cuda(
     ``nvrtcGetCUBIN`` / ``nvrtcGetPTX`` / ``nvrtcGetProgramLog`` and blocks the
     calling thread for the compile (typically 30 ms to seconds; the GIL is
     released meanwhile). Thread-safe: concurrent calls for the same kernel
-    compile it once; asyncgpu does not serialize different kernels (NVRTC 13.5
-    was seen to run them one at a time anyway). The in-process cache is shared
+    compile it once; asyncgpu does not serialize different kernels (NVRTC may
+    run them one at a time internally). The in-process cache is shared
     by all ``cache_dir`` values.
 
     Raises ``CompileError`` (with NVRTC's full log in ``.log``) when the code

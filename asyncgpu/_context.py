@@ -867,9 +867,9 @@ class DeviceContext(_ContextBase):
         if not isinstance(f, (Kernel, str)) and not callable(f):
             raise TypeError(f"cannot launch {type(f).__name__}; pass a DeviceFunction")
         # Keyed by the object itself, not its id: a bound method is a new object at
-        # each ``obj.method``, and a dead one's id is soon another's (until
-        # 2026-12-04 that launched the wrong method's kernel). An unhashable one
-        # is compiled each time.
+        # each ``obj.method``, and a dead one's id is soon another's (an id key
+        # can launch the wrong method's kernel). An unhashable one is compiled
+        # each time.
         try:
             key: Any = ("launch", f, func_attribute)
             fn = self._state.compiled.get(key)
@@ -1082,11 +1082,11 @@ class DeviceContext(_ContextBase):
         ``path`` the Chrome/Perfetto trace JSON is written there on exit.
 
         ``device_times`` (CUDA): each operation is followed by a timing event
-        (``cuEventRecord``, about 1.2 µs of host time on an H100) that gives its
+        (one ``cuEventRecord``, host time on every operation) that gives its
         device start and end; ``False`` records the host times alone, which
-        adds to a launch about half of what device times add or less (an
-        untraced launch's 1.37x-2.24x against 2.23x-3.49x, H200 and H100,
-        2026-12-07). On exit tracing stops; with a
+        skips that driver call and so adds to a launch about half of what
+        device times add, or less (see the performance page). On exit tracing
+        stops; with a
         ``path`` the exit first waits for every stream of the context
         (``synchronize``), then writes the file."""
         self._check_open()

@@ -8,9 +8,9 @@ plain memory (see ``_engine``). Cross-stream and cross-device waits wait on the
 same counters on the device (``cuStreamWaitValue64``). The exception is a
 marker right after a copy or memset: that one is a recorded driver event
 (``cuEventRecord``), queried by the host and waited on with
-``cuStreamWaitEvent``. A counter write there, whose memory fence seems to wait
-for the copy engine, cut a 4-stream copy/kernel pipeline's gain on the H200
-from 1.80x to 1.57x (2026-12-04). Host work on a stream
+``cuStreamWaitEvent``: a counter write there has a memory fence that seems to
+wait for the copy engine, which takes away part of the overlap of copies and
+kernels on several streams. Host work on a stream
 (CPU functions, CPU ranges, pageable copies) runs on the CPU pool once the
 stream reaches it; what is enqueued behind it is held on the host and handed
 to the driver when it finishes (``_PolledStream``'s held submission), so no
@@ -112,9 +112,9 @@ def _check(result: Any, what: str) -> Any:
 _tls = threading.local()
 
 
-# The completion write of the enqueue hot path. Measured on the H200 (2026-12-02):
-# 1.9 us through cuda.bindings, 2.6 us through a ctypes pointer to the driver's entry
-# point, so the bindings wrapper it is.
+# The completion write of the enqueue hot path: the cuda.bindings wrapper, which
+# costs the host less per call than a ctypes pointer to the driver's entry point
+# (ctypes converts each argument in Python).
 _write_value64 = cu.cuStreamWriteValue64
 
 
@@ -133,12 +133,11 @@ def _init_driver() -> int:
 def _kernel_markers() -> str:
     """What follows an eager launch on the C fast path (docs/completion.md): a
     write of the completion counter ("counter", the default) or a driver event
-    ("event"), from ASYNCGPU_KERNEL_MARKERS when a stream is created. The event
-    costs the host less to place (cuEventRecord 0.82 us against 2.03 us for
-    cuStreamWriteValue64 on the H200, 2026-12-04) but more to learn finished
-    (a locked cuEventQuery per poll against a memory read): in the same run the
-    event markers gave 48k awaited ops/s against 60k, and a 13.5 us round trip
-    against 13.2 us (benchmarks/results/2026-12-04-h200-bench-4c883e6.json)."""
+    ("event"), from ASYNCGPU_KERNEL_MARKERS (``_config``). The event costs the
+    host less to place (``cuEventRecord`` against ``cuStreamWriteValue64``) but
+    more to learn finished (a locked ``cuEventQuery`` per poll against a plain
+    memory read), and an await polls more often than it places, so the counter
+    is the default (see the performance page)."""
     kind = os.environ.get("ASYNCGPU_KERNEL_MARKERS", "counter")
     if kind not in ("event", "counter"):
         raise ValueError(f"ASYNCGPU_KERNEL_MARKERS must be event or counter, not {kind!r}")
@@ -398,8 +397,8 @@ class _DeviceAlloc:
         """Never free this memory. cuda.core has no way to give a buffer up, so its
         Buffer gets a reference that is never dropped, which also keeps it out of
         the interpreter's teardown: freed there, it is freed on the stream it was
-        allocated on, and ``cuMemFreeAsync`` on a destroyed stream crashed the
-        process on the H200 (2026-12-03, 2026-12-04). The ctypes functions are
+        allocated on, and ``cuMemFreeAsync`` on a destroyed stream can crash the
+        process. The ctypes functions are
         bound as defaults so that this works while the module is torn down."""
         buf, self.buf = self.buf, None
         if buf is not None:
@@ -448,8 +447,8 @@ class _CudaFunction(_KernelBase):
         self.fn = cu.CUfunction(int(self.kernel.handle))  # what cuLaunchKernel takes
         self.handle = int(self.kernel.handle)
         # The signature comes from the PTX, not from the driver: asking the driver
-        # (cuda.core's Kernel.arguments_info) blocked on the H200 while a stream of
-        # the context was held back for host work (2026-12-02).
+        # (cuda.core's Kernel.arguments_info) can block while a stream of the
+        # context is held back for host work.
         self.param_sizes: tuple[int, ...] | None = _ptx_param_sizes(ptx, name) if ptx else None
         self.plans: dict[tuple[type, ...], _ArgPlan] = {}
         self.last: _ArgPlan | None = None  # the plan of the last launch (the fast path's)
@@ -883,8 +882,8 @@ class CudaStream(_PolledStream):
         blocks until that work has reached the driver (``settle``): a device-side
         wait for it would be a stream waiting on memory that only finishing host
         work lets the GPU write, and the driver can then block other calls (a
-        synchronous copy of the other library's) until it ends, which deadlocked on
-        the H200 (2026-12-02). Called with this stream's submit lock held
+        synchronous copy of the other library's) until it ends, which can deadlock.
+        Called with this stream's submit lock held
         (``settle=False``), a stream still held falls back to that counter wait."""
         if settle:
             self._settle()
@@ -1039,11 +1038,11 @@ class CudaStream(_PolledStream):
                 if self._marked < seq:
                     self._place_marker()
                 # The in-flight queue gets a point of the stream's own, which
-                # finishes the user event only while it is still recorded here. (The
-                # user event itself went in until 2026-12-04: recorded again, on
-                # another stream or later on this one, it carried its new sequence
-                # number into this queue, and the queue's retirement stopped there:
-                # later awaits on this stream could hang.)
+                # finishes the user event only while it is still recorded here. (Not
+                # the user event itself: recorded again, on another stream or later
+                # on this one, it would carry its new sequence number into this
+                # queue, and the queue's retirement would stop there: later awaits
+                # on this stream could hang.)
                 point = DeviceEvent(self, seq, None)
                 point._add_waiter(_RecordReached(ev, self, seq))
             ev._repoint(self, seq, point)
@@ -1379,8 +1378,8 @@ class _StageKits:
     Never on the pool thread: while a stream waits on host memory (a wrapped
     stream's ``cuStreamWaitValue64`` behind host work) the driver may hold calls
     such as ``cuStreamCreate`` in other threads until that wait ends, which
-    would then be never (the H200 hung ``test_external_cupy_stream[cuda]`` so,
-    2026-12-04, in a pool thread's ``cuStreamCreate``). At most ``limit`` kits
+    would then be never (a pool thread's ``cuStreamCreate`` hangs so, as
+    ``test_external_cupy_stream[cuda]`` checks). At most ``limit`` kits
     are made (the CPU pool's size: no more copies run at once), so a burst of
     queued copies does not make a stream each. ``take`` finds one made for it,
     or, if another enqueuing thread is still making the last one, makes one
@@ -1704,8 +1703,8 @@ class CudaBackend:
 
     def _wait_for_host_work(self, what: str) -> None:
         """Loading a module waits, inside the driver, for streams that wait on the
-        device for host work (seen on the H200, 2026-12-02, with eager and lazy
-        module loading alike). If that host work waits for this thread, the process
+        device for host work (with eager and lazy module loading alike). If that
+        host work waits for this thread, the process
         deadlocks. Only wrapped streams still wait so (asyncgpu's own hold later
         work on the host); for them, wait here first, for at most
         ``ASYNCGPU_LOAD_WAIT_S`` (default 30 s), and raise a clear error instead of
@@ -1787,9 +1786,9 @@ class CudaBackend:
         return freed
 
     def alloc_host(self, nbytes: int, stream: _StreamImpl) -> _PinnedAlloc:
-        """Page-locked host memory from ``_pinned``, usable by the host at once. (A
-        stream-ordered pinned pool was measured on the H200: cuMemcpyAsync treated
-        its memory as pageable and copied it at enqueue time, so it is not used.)"""
+        """Page-locked host memory from ``_pinned``, usable by the host at once. (Not
+        a stream-ordered pinned pool: cuMemcpyAsync treats its memory as pageable
+        and copies it at enqueue time.)"""
         self.make_current()
         return _PinnedAlloc(nbytes)
 
