@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from . import _engine
+from . import _config, _engine
 from ._accel import c_base, native
 from ._buffer import DeviceBuffer, HostBuffer, _BufferBase, _Pointer, _Span, as_dtype, check_size
 from ._errors import ContextClosedError, NoDeviceError, UnsupportedError
@@ -42,8 +42,6 @@ from ._types import (
 )
 
 __all__ = ["DeviceContext"]
-
-_DEFAULT_NUM_STREAMS = 8
 
 
 def _backend_class(api: str) -> Any:
@@ -74,13 +72,7 @@ def _cuda_available() -> bool:
 def default_api() -> str:
     """``$ASYNCGPU_API`` if set, else ``"cuda"`` when a usable GPU is present, else
     ``"cpu"``."""
-    env = os.environ.get("ASYNCGPU_API")
-    if env:
-        api = env.strip().lower()
-        if api not in ("cpu", "cuda"):
-            raise ValueError(f"ASYNCGPU_API must be cpu or cuda, not {env!r}")
-        return api
-    return "cuda" if _cuda_available() else "cpu"
+    return _config.read_api() or ("cuda" if _cuda_available() else "cpu")
 
 
 class _StateFields:
@@ -253,7 +245,7 @@ class DeviceContext(_ContextBase):
             raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
         api = (api or default_api()).lower()
         if num_streams is None:
-            num_streams = int(os.environ.get("ASYNCGPU_NUM_STREAMS", _DEFAULT_NUM_STREAMS))
+            num_streams = _config.read_num_streams()
         num_streams = check_int(num_streams, "num_streams")
         if num_streams < 1:
             raise ValueError(f"num_streams must be at least 1, got {num_streams}")
@@ -262,8 +254,8 @@ class DeviceContext(_ContextBase):
         self._ref = _Ref()
         self._ref.owner = weakref.ref(self)
         _live_states.add(self._state)
-        if os.environ.get("ASYNCGPU_TRACE"):
-            self._state.trace = Trace(path=os.environ["ASYNCGPU_TRACE"])
+        if (trace_path := _config.read_trace()) is not None:
+            self._state.trace = Trace(path=trace_path)
 
     def _view(self, impl: _StreamImpl | None) -> DeviceContext:
         """A view of this context bound to ``impl`` (a new object, so that closing

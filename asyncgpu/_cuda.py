@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _accel, _interop
+from . import _accel, _config, _interop
 from ._buffer import DeviceBuffer, HostBuffer
 from ._compiler import compile_cuda, dump_sass, write_dump
 from ._engine import cpu_pool, fan_out, host_work, pool_size, range_work, waiting_for, watcher
@@ -138,10 +138,7 @@ def _kernel_markers() -> str:
     more to learn finished (a locked ``cuEventQuery`` per poll against a plain
     memory read), and an await polls more often than it places, so the counter
     is the default (see the performance page)."""
-    kind = os.environ.get("ASYNCGPU_KERNEL_MARKERS", "counter")
-    if kind not in ("event", "counter"):
-        raise ValueError(f"ASYNCGPU_KERNEL_MARKERS must be event or counter, not {kind!r}")
-    return kind
+    return _config.SETTINGS.kernel_markers
 
 
 # The hot path's direct driver calls (``asyncgpu._native``, a C extension): None
@@ -161,7 +158,7 @@ def _entry_point(name: str) -> int:
 def _bind_native() -> None:
     global _native
     native = _accel.native
-    if _native is not None or native is None or os.environ.get("ASYNCGPU_NATIVE", "1") == "0":
+    if _native is not None or native is None or not _config.SETTINGS.native:
         return
     try:
         native.bind(
@@ -219,11 +216,7 @@ _device_queues: dict[int, _HardwareQueues] = {}
 def _queue_limit() -> int:
     """Hardware queues the driver gives one device's streams:
     ``CUDA_DEVICE_MAX_CONNECTIONS`` (1..32), else the driver's default of 8."""
-    try:
-        n = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
-    except ValueError:
-        return 8
-    return n if 1 <= n <= 32 else 8
+    return _config.SETTINGS.device_max_connections
 
 
 def _join_queues(device_id: int, stream: CudaStream) -> _HardwareQueues:
@@ -1439,9 +1432,7 @@ class CudaBackend:
         if not 0 <= device_id < count:
             raise IndexError(f"CUDA device {device_id} does not exist (there are {count})")
         self.device_id = device_id
-        self.completion = os.environ.get("ASYNCGPU_COMPLETION", "counter").strip().lower()
-        if self.completion not in ("counter", "event"):
-            raise ValueError(f"ASYNCGPU_COMPLETION={self.completion!r}: use 'counter' or 'event'")
+        self.completion = _config.SETTINGS.completion
         self.dev = _check(cu.cuDeviceGet(device_id), "cuDeviceGet")
         self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
         self.make_current()
@@ -1469,7 +1460,7 @@ class CudaBackend:
         self._core_device.set_current()
         self.mr = DeviceMemoryResource(device_id)
         self._keep_pool_memory()
-        if os.environ.get("ASYNCGPU_DISABLE_HEALTHCHECK", "") not in ("1", "true", "True"):
+        if not _config.SETTINGS.disable_healthcheck:
             self.healthcheck()
 
     # -- context -------------------------------------------------------------------------
@@ -1709,7 +1700,7 @@ class CudaBackend:
         work on the host); for them, wait here first, for at most
         ``ASYNCGPU_LOAD_WAIT_S`` (default 30 s), and raise a clear error instead of
         hanging."""
-        limit = float(os.environ.get("ASYNCGPU_LOAD_WAIT_S", "30"))
+        limit = _config.SETTINGS.load_wait_s
         t0 = time.monotonic()
         delay = 0.0001
         while True:

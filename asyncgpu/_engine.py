@@ -38,7 +38,6 @@ import contextlib
 import contextvars
 import heapq
 import operator
-import os
 import threading
 import time
 import weakref
@@ -48,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from . import _config
 from ._accel import native
 from ._event import _set_future
 
@@ -66,25 +66,6 @@ WAKE_MAX = 256
 INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
 
 
-def _wake_budget_s(default: float) -> float:
-    """ITERATION_S from ``$ASYNCGPU_WAKE_BUDGET_MS`` (milliseconds, 0.01 to 100),
-    else ``default``; read once, at import. A smaller budget keeps other tasks on
-    the loop more responsive while many awaits finish, a larger one moves more
-    awaits per loop iteration."""
-    env = os.environ.get("ASYNCGPU_WAKE_BUDGET_MS", "").strip()
-    if not env:
-        return default
-    try:
-        ms = float(env)
-    except ValueError:
-        raise ValueError(
-            f"ASYNCGPU_WAKE_BUDGET_MS must be a number of milliseconds, not {env!r}"
-        ) from None
-    if not 0.01 <= ms <= 100:  # (also refuses nan and inf)
-        raise ValueError(f"ASYNCGPU_WAKE_BUDGET_MS must be from 0.01 to 100 ms, not {env}")
-    return ms / 1e3
-
-
 # Futures a reactor completes per loop iteration: as many woken tasks as fit in
 # ITERATION_S, judged by the last iteration's time per woken task, within
 # WAKE_MIN..WAKE_MAX. Another task on the loop then waits about 2.5 budgets (the
@@ -92,7 +73,7 @@ def _wake_budget_s(default: float) -> float:
 # one's earlier callbacks), so the budget trades that task's latency against the
 # awaits moved per iteration; the benchmark suite's engine_iteration_budget_sweep
 # measures settings side by side (see the performance page).
-ITERATION_S = _wake_budget_s(0.0002)
+ITERATION_S = _config.SETTINGS.wake_budget_s  # $ASYNCGPU_WAKE_BUDGET_MS, read at import
 InvalidStateError = asyncio.InvalidStateError
 _monotonic = time.perf_counter
 # The future of a reactor's await: the extension's DirectFuture, which the
@@ -114,10 +95,7 @@ _pool: _CpuPool | None = None
 
 def pool_size() -> int:
     """Threads in the CPU pool: ``$ASYNCGPU_CPU_THREADS``, else max(4, cores)."""
-    env = os.environ.get("ASYNCGPU_CPU_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(4, os.cpu_count() or 1)
+    return _config.SETTINGS.cpu_threads
 
 
 class _HostWork(threading.local):
