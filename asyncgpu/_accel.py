@@ -1,7 +1,7 @@
 """The C extension ``asyncgpu._native``, where it is built and not switched off.
 
 ``native`` is the module, or None: not built (asyncgpu then runs on Python and
-cuda.bindings alone), or ``ASYNCGPU_NATIVE=0`` in the environment when asyncgpu
+cuda.bindings alone), or ``ASYNCGPU_NATIVE=0`` (``_config``) when asyncgpu
 was imported. Events, polled streams and buffers keep their fields in its C
 types (``EventCore``, ``StreamCore``, ``BufferCore``, ``SpareCore``,
 ``FunctionCore``, ``ContextCore``; ``c_base``) and their locks are its ``RLock``
@@ -11,13 +11,14 @@ types (``EventCore``, ``StreamCore``, ``BufferCore``, ``SpareCore``,
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
+from . import _config
+
 
 def _load() -> Any:
-    if os.environ.get("ASYNCGPU_NATIVE", "1") == "0":
+    if not _config.SETTINGS.native:
         return None
     try:
         from . import _native

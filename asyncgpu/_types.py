@@ -227,5 +227,6 @@ class GPUInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def target(self) -> str:
-        """The compilation target: ``sm_90`` on an H200, ``cpu`` on the CPU device."""
+        """The compilation target: ``sm_<major><minor>`` on CUDA (``sm_90`` on
+        compute capability 9.0), ``cpu`` on the CPU device."""
         return self.arch

@@ -393,19 +393,19 @@ def main(argv: list[str] | None = None) -> int:
             write; on the same context's streams (a second context's streams would
             outnumber the hardware queues, and no stream would place eager markers
             at all)."""
-            import os
-
+            from asyncgpu import _config
             from asyncgpu._devices.cuda import backend as _cuda
 
             streams = _cuda._all_streams(ctx._state.backend)
             before = [s._kernel_event_markers for s in streams]
-            os.environ["ASYNCGPU_KERNEL_MARKERS"] = "event"  # for streams made meanwhile
+            settings = _config.SETTINGS
+            _config.SETTINGS = settings.replace(kernel_markers="event")  # streams made meanwhile
             for s in streams:
                 s._kernel_event_markers = True
             try:
                 return fn(ctx, empty)
             finally:
-                del os.environ["ASYNCGPU_KERNEL_MARKERS"]
+                _config.SETTINGS = settings
                 for s, b in zip(streams, before, strict=True):
                     s._kernel_event_markers = b
                 for s in _cuda._all_streams(ctx._state.backend):

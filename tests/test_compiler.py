@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncgpu import _config
 from asyncgpu._devices.cuda import compiler as _compiler
 from asyncgpu._devices.cuda.compiler import (
     CompiledModule,
@@ -430,15 +431,17 @@ def test_concurrent_calls_for_one_kernel_compile_it_once(tmp_path):
 
 
 def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("ASYNCGPU_CACHE_DIR", str(tmp_path / "mine"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_cache_dir() == tmp_path / "mine"
-
-    monkeypatch.delenv("ASYNCGPU_CACHE_DIR")
-    assert default_cache_dir() == tmp_path / "xdg" / "asyncgpu" / "kernels"
-
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert default_cache_dir() == Path.home() / ".cache" / "asyncgpu" / "kernels"
+    """Read once, at import (``_config``): here through the reader and the
+    settings the package reads."""
+    mine, xdg = str(tmp_path / "mine"), str(tmp_path / "xdg")
+    for env, expected in (
+        ({"ASYNCGPU_CACHE_DIR": mine, "XDG_CACHE_HOME": xdg}, tmp_path / "mine"),
+        ({"XDG_CACHE_HOME": xdg}, tmp_path / "xdg" / "asyncgpu" / "kernels"),
+        ({}, Path.home() / ".cache" / "asyncgpu" / "kernels"),
+    ):
+        settings = _config.SETTINGS.replace(cache_dir=_config.read_cache_dir(env))
+        monkeypatch.setattr(_config, "SETTINGS", settings)
+        assert default_cache_dir() == expected
 
 
 # --------------------------------------------------------------------------- dumps

@@ -11,7 +11,7 @@ import pytest
 
 cuda = pytest.importorskip("asyncgpu._devices.cuda.backend", reason="cuda-python is not installed")
 
-from asyncgpu import DeviceError  # noqa: E402
+from asyncgpu import DeviceError, _config  # noqa: E402
 from asyncgpu._devices.cuda.compiler import compile_cuda  # noqa: E402
 
 SRC = r"""
@@ -70,14 +70,14 @@ def backend(monkeypatch):
 def test_loading_code_behind_unfinished_cpu_work_raises_instead_of_hanging(
     backend, monkeypatch
 ) -> None:
-    monkeypatch.setenv("ASYNCGPU_LOAD_WAIT_S", "0.05")
+    monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(load_wait_s=0.05))
     b = backend(_HeldStream(issued=2, done=1))
     with pytest.raises(DeviceError, match=r"cuda:0/s1 .*held back for CPU work"):
         b._wait_for_host_work("loading kernel 'k'")
 
 
 def test_loading_code_waits_for_cpu_work_that_finishes(backend, monkeypatch) -> None:
-    monkeypatch.setenv("ASYNCGPU_LOAD_WAIT_S", "30")
+    monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(load_wait_s=30.0))
     held = _HeldStream(issued=1, done=0)
     b = backend(held)
     started = threading.Event()
@@ -178,7 +178,7 @@ def test_a_driver_without_the_hot_path_entry_points_leaves_cuda_bindings_in_char
 
 def test_asyncgpu_native_0_leaves_cuda_bindings_in_charge(monkeypatch) -> None:
     monkeypatch.setattr(cuda, "_native", None)
-    monkeypatch.setenv("ASYNCGPU_NATIVE", "0")
+    monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(native=False))
     asked: list[object] = []
     monkeypatch.setattr(cuda.cu, "cuGetProcAddress", lambda *a: asked.append(a))
     cuda._bind_native()
@@ -193,7 +193,7 @@ class _Streamish:
 
 
 def test_more_streams_than_hardware_queues_turn_eager_markers_off(monkeypatch) -> None:
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "2")
+    monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(device_max_connections=2))
     monkeypatch.setattr(cuda, "_device_queues", {})
     a, b, c = _Streamish(), _Streamish(), _Streamish()
     q = cuda._join_queues(0, a)
@@ -208,7 +208,8 @@ def test_more_streams_than_hardware_queues_turn_eager_markers_off(monkeypatch) -
 
 @pytest.mark.parametrize(("value", "limit"), [("32", 32), ("0", 8), ("64", 8), ("x", 8)])
 def test_the_queue_count_follows_the_drivers_variable(monkeypatch, value, limit) -> None:
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+    read = _config.read_device_max_connections({"CUDA_DEVICE_MAX_CONNECTIONS": value})
+    monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(device_max_connections=read))
     assert cuda._queue_limit() == limit
 
 

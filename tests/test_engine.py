@@ -182,26 +182,8 @@ async def test_each_loop_iteration_wakes_as_many_tasks_as_fit_its_time_budget(
     assert woken() == 2 * _engine.WAKE_MIN + _engine.WAKE_MAX + fits
 
 
-@pytest.mark.parametrize(("value", "budget_s"), [("", 0.0002), ("0.1", 0.0001), (" 1.5 ", 0.0015)])
-def test_the_wake_budget_is_read_from_the_environment_in_milliseconds(
-    monkeypatch, value, budget_s
-) -> None:
-    """``$ASYNCGPU_WAKE_BUDGET_MS`` sets the time the tasks woken in one loop
-    iteration may take; unset or empty, the default stands."""
-    monkeypatch.setenv("ASYNCGPU_WAKE_BUDGET_MS", value)
-    assert _engine._wake_budget_s(0.0002) == pytest.approx(budget_s)
-
-
-@pytest.mark.parametrize("value", ["fast", "0", "-1", "1000", "nan", "inf"])
-def test_a_wake_budget_that_is_no_number_or_out_of_range_is_refused_by_name(
-    monkeypatch, value
-) -> None:
-    monkeypatch.setenv("ASYNCGPU_WAKE_BUDGET_MS", value)
-    with pytest.raises(ValueError, match="ASYNCGPU_WAKE_BUDGET_MS"):
-        _engine._wake_budget_s(0.0002)
-
-
 def test_the_wake_budget_of_the_environment_is_the_reactors_at_import() -> None:
+    """(Its parsing: ``test_config``.)"""
     env = {**os.environ, "ASYNCGPU_WAKE_BUDGET_MS": "0.05"}
     out = subprocess.run(
         [

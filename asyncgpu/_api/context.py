@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import _config
 from .._accel import native
 from .._core import engine as _engine
 from .._core import pool as _pool
@@ -58,19 +59,11 @@ from .stream import DeviceStream
 
 __all__ = ["DeviceContext"]
 
-_DEFAULT_NUM_STREAMS = 8
-
 
 def default_api() -> str:
     """``$ASYNCGPU_API`` if set, else ``"cuda"`` when a usable GPU is present, else
     ``"cpu"``."""
-    env = os.environ.get("ASYNCGPU_API")
-    if env:
-        api = env.strip().lower()
-        if api not in ("cpu", "cuda"):
-            raise ValueError(f"ASYNCGPU_API must be cpu or cuda, not {env!r}")
-        return api
-    return "cuda" if cuda_available() else "cpu"
+    return _config.read_api() or ("cuda" if cuda_available() else "cpu")
 
 
 class DeviceContext(_ContextBase):
@@ -117,7 +110,7 @@ class DeviceContext(_ContextBase):
             raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
         api = (api or default_api()).lower()
         if num_streams is None:
-            num_streams = int(os.environ.get("ASYNCGPU_NUM_STREAMS", _DEFAULT_NUM_STREAMS))
+            num_streams = _config.read_num_streams()
         num_streams = check_int(num_streams, "num_streams")
         if num_streams < 1:
             raise ValueError(f"num_streams must be at least 1, got {num_streams}")
@@ -126,8 +119,8 @@ class DeviceContext(_ContextBase):
         self._ref = _Ref()
         self._ref.owner = weakref.ref(self)
         _live_states.add(self._state)
-        if os.environ.get("ASYNCGPU_TRACE"):
-            self._state.trace = Trace(path=os.environ["ASYNCGPU_TRACE"])
+        if (trace_path := _config.read_trace()) is not None:
+            self._state.trace = Trace(path=trace_path)
 
     def _view(self, impl: _StreamImpl | None) -> DeviceContext:
         """A view of this context bound to ``impl`` (a new object, so that closing
@@ -725,9 +718,9 @@ class DeviceContext(_ContextBase):
         if not isinstance(f, (Kernel, str)) and not callable(f):
             raise TypeError(f"cannot launch {type(f).__name__}; pass a DeviceFunction")
         # Keyed by the object itself, not its id: a bound method is a new object at
-        # each ``obj.method``, and a dead one's id is soon another's (until
-        # 2026-12-04 that launched the wrong method's kernel). An unhashable one
-        # is compiled each time.
+        # each ``obj.method``, and a dead one's id is soon another's (an id key
+        # can launch the wrong method's kernel). An unhashable one is compiled
+        # each time.
         try:
             key: Any = ("launch", f, func_attribute)
             fn = self._state.compiled.get(key)
@@ -940,11 +933,11 @@ class DeviceContext(_ContextBase):
         ``path`` the Chrome/Perfetto trace JSON is written there on exit.
 
         ``device_times`` (CUDA): each operation is followed by a timing event
-        (``cuEventRecord``, about 1.2 µs of host time on an H100) that gives its
+        (one ``cuEventRecord``, host time on every operation) that gives its
         device start and end; ``False`` records the host times alone, which
-        adds to a launch about half of what device times add or less (an
-        untraced launch's 1.37x-2.24x against 2.23x-3.49x, H200 and H100,
-        2026-12-07). On exit tracing stops; with a
+        skips that driver call and so adds to a launch about half of what
+        device times add, or less (see the performance page). On exit tracing
+        stops; with a
         ``path`` the exit first waits for every stream of the context
         (``synchronize``), then writes the file."""
         self._check_open()

@@ -38,7 +38,6 @@ import contextlib
 import contextvars
 import heapq
 import operator
-import os
 import threading
 import time
 import weakref
@@ -46,6 +45,7 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from .. import _config
 from .._accel import native
 from .event import _set_future
 
@@ -57,40 +57,21 @@ __all__ = ["polled_future", "reactor_for", "watcher"]
 
 SPIN_S = 0.0005  # keep polling every loop iteration this long after the last progress
 PARK_S = 0.001  # then poll on a timer this often, backing off up to PARK_MAX_S
-PARK_MAX_S = 0.008  # (each timer wake-up costs ~0.1-0.2 ms of CPU in the OS and asyncio)
+PARK_MAX_S = 0.008  # (a timer wake-up costs the OS and asyncio more CPU than a poll)
 FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
 WAKE_MIN = 8
 WAKE_MAX = 256
 INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
 
 
-def _wake_budget_s(default: float) -> float:
-    """ITERATION_S from ``$ASYNCGPU_WAKE_BUDGET_MS`` (milliseconds, 0.01 to 100),
-    else ``default``; read once, at import. A smaller budget keeps other tasks on
-    the loop more responsive while many awaits finish, a larger one moves more
-    awaits per loop iteration."""
-    env = os.environ.get("ASYNCGPU_WAKE_BUDGET_MS", "").strip()
-    if not env:
-        return default
-    try:
-        ms = float(env)
-    except ValueError:
-        raise ValueError(
-            f"ASYNCGPU_WAKE_BUDGET_MS must be a number of milliseconds, not {env!r}"
-        ) from None
-    if not 0.01 <= ms <= 100:  # (also refuses nan and inf)
-        raise ValueError(f"ASYNCGPU_WAKE_BUDGET_MS must be from 0.01 to 100 ms, not {env}")
-    return ms / 1e3
-
-
 # Futures a reactor completes per loop iteration: as many woken tasks as fit in
 # ITERATION_S, judged by the last iteration's time per woken task, within
 # WAKE_MIN..WAKE_MAX. Another task on the loop then waits about 2.5 budgets (the
 # rest of the iteration in which its timer fires, that iteration, and the next
-# one's earlier callbacks): under the I4.2 load a ticker's p99 was 0.87-0.93 ms
-# with 0.3 ms and 0.71-0.73 ms with 0.2 ms (H200 and H100, 2026-12-07); the
-# suite's engine_iteration_budget_sweep measures 0.1-0.3 ms side by side.
-ITERATION_S = _wake_budget_s(0.0002)
+# one's earlier callbacks), so the budget trades that task's latency against the
+# awaits moved per iteration; the benchmark suite's engine_iteration_budget_sweep
+# measures settings side by side (see the performance page).
+ITERATION_S = _config.SETTINGS.wake_budget_s  # $ASYNCGPU_WAKE_BUDGET_MS, read at import
 InvalidStateError = asyncio.InvalidStateError
 _monotonic = time.perf_counter
 # The future of a reactor's await: the extension's DirectFuture, which the
@@ -225,8 +206,7 @@ class _Reactor:
         Polling every iteration cannot see that work finish sooner, and it keeps
         the GIL from the pool threads doing the work: a spinning loop takes the
         GIL back as soon as it drops it, so a pool thread waits for the switch
-        interval (on the H200 an awaited small pageable copy took 1.13 ms this
-        way, 2026-12-04, where the copy itself takes 19 us)."""
+        interval (``sys.getswitchinterval()``, far longer than a small copy)."""
         if not self.pending:
             return False
         for stream, awaits in self.pending.items():
@@ -256,9 +236,9 @@ class _Reactor:
     def _check_faults(self) -> None:
         """Ask the driver whether a stream with pending awaits has faulted. A
         faulted stream's events have been failed; the next ``_poll_once`` wakes
-        their awaiters (work that finished meanwhile is retired there too: the
-        H200 hung ``test_every_enqueue_returns_an_awaitable_event[cuda]`` on
-        2026-12-04 when this dropped a stream without retiring it)."""
+        their awaiters (work that finished meanwhile is retired there too: a
+        stream dropped without retiring it leaves its awaits hanging, as
+        ``test_every_enqueue_returns_an_awaitable_event[cuda]`` checks)."""
         for stream in list(self.pending):
             stream._check_fault()
 

@@ -299,8 +299,8 @@ class _BufferBase(_BufferFieldsBase):
                 # The process is ending: its end frees the memory. A cuda.core
                 # buffer left to itself would free on the stream it was allocated
                 # on, destroyed by now if the context closed (cuMemFreeAsync on a
-                # destroyed stream crashed the teardown on the H200, 2026-12-04),
-                # so the allocation is abandoned instead.
+                # destroyed stream can crash the teardown), so the allocation is
+                # abandoned instead.
                 abandon = getattr(alloc, "abandon", None)
                 if abandon is not None:
                     abandon()

@@ -9,11 +9,12 @@ thread for as long as one of its threads is blocked.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from .. import _config
 
 __all__ = [
     "cpu_pool",
@@ -33,10 +34,7 @@ _pool: _CpuPool | None = None
 
 def pool_size() -> int:
     """Threads in the CPU pool: ``$ASYNCGPU_CPU_THREADS``, else max(4, cores)."""
-    env = os.environ.get("ASYNCGPU_CPU_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(4, os.cpu_count() or 1)
+    return _config.SETTINGS.cpu_threads
 
 
 class _HostWork(threading.local):

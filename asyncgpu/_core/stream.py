@@ -74,8 +74,7 @@ class _HostResult:
     It also starts the host work enqueued right behind it on the same stream
     (``follow``): that work needs only this work's end, which the host sees
     first, not a marker's trip through the device and the engine's notice of it
-    (until 2026-12-04, 2,500 CPU functions on one stream each waited 1-4 ms
-    for that on the H200)."""
+    (each CPU function would wait up to a polling interval for that)."""
 
     __slots__ = ("ended", "error", "next", "value")
 
@@ -194,7 +193,7 @@ class _StreamImpl:
         """Block until everything submitted so far has been handed to the driver
         (only polled streams ever hold work back)."""
 
-    # -- ordering with streams of other libraries (``_interop``; CUDA) ---------------
+    # -- ordering with streams of other libraries (``foreign``; CUDA) ---------------
 
     def wait_for_handle(self, producer: int) -> None:
         """Later work here waits, on the device, for what the foreign stream
@@ -316,8 +315,8 @@ class _PolledStream(_StreamImpl, _StreamBase):
         self._pending: deque[Any] | None = None  # not None: held (see the class doc)
         self._issued_mark = 0
         # A heap of (seq, order, callback): the drain that issues a marker takes the
-        # waiters it covers from the top (a list scanned whole on every drain made
-        # 10,000 held operations take 12 s to drain on the H200, 2026-12-04).
+        # waiters it covers from the top (a list scanned whole on every drain makes
+        # draining many held operations quadratic).
         self._issue_waiters: list[tuple[int, int, Callable[[], None]]] = []
 
     def _completed(self) -> int:
@@ -337,14 +336,14 @@ class _PolledStream(_StreamImpl, _StreamBase):
         Blocking waits (``eager=False``) place their marker when they block and
         do not switch a lazy stream to eager, but they count as waits
         (``waited``): an eager stream whose every operation is awaited or
-        synchronized stays eager (before 2026-12-04 a ``synchronize()`` between
-        two awaits made the second await place its marker late, from Python:
-        12.7 µs against 10.6 µs back to back on the H200). The watcher's sweep
+        synchronized stays eager (otherwise a ``synchronize()`` between two
+        awaits makes the second await place its marker late, from Python, which
+        slows its round trip). The watcher's sweep
         (``waited=False``) only marks. And no stream is eager while its
         device's hardware queues are shared (``_queues.solo`` false): a marker
         right after a long kernel holds up the next work of every stream that
-        shares the kernel's queue (16 streams of 2 ms kernels took 2x one on the
-        H200, 2026-12-03, with eager markers on 8 queues)."""
+        shares the kernel's queue, so those streams would run their kernels one
+        after another instead of overlapping."""
         if waited and ev._seq > self._awaited:
             self._awaited = ev._seq
         if eager and self._queues.solo:

@@ -20,9 +20,8 @@ without blocking when the trace is read (``node_of``, ``as_dict``,
 
 ``ctx.trace(device_times=False)`` records no timing events: the device times
 stay None, and tracing adds to a launch about half of what device times add
-or less (an untraced launch's 1.37x-2.24x against 2.23x-3.49x, H200 and H100,
-2026-12-07; the event's ``cuEventRecord`` alone takes about 1.2 µs of host time
-on an H100: ``benchmarks/probe_trace.py``).
+or less, since it skips each operation's ``cuEventRecord`` (see the
+performance page).
 
 Tracing asks for no completion of its own: it costs an operation its node (and
 on CUDA one ``cuEventRecord``), and ``end_ns`` is noticed whenever something
@@ -157,11 +156,11 @@ class Trace:
                 self._stamps[nid] = (stream, stamp)
         ev._node = node
         # A waiter, not add_done_callback: the trace asks for no marker and no
-        # watch of its own (that made every traced launch cost about 5x). A bound
-        # method made here, not one kept on the trace: that one made a reference
-        # cycle, so a dropped trace (and its timing events) waited for the
-        # garbage collector, which then gave the events back inside whatever
-        # ran next (the H100 run of 12:52 UTC on 2026-12-07 timed it).
+        # watch of its own (that would make every traced launch cost several
+        # times as much). A bound method made here, not one kept on the trace:
+        # that one makes a reference cycle, so a dropped trace (and its timing
+        # events) would wait for the garbage collector, which would then give
+        # the events back inside whatever ran next, adding to its time.
         if ev._done or not ev._add_waiter(self._on_done):
             self._on_done(ev)
         return node

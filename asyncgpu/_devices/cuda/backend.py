@@ -8,9 +8,9 @@ plain memory (see ``_engine``). Cross-stream and cross-device waits wait on the
 same counters on the device (``cuStreamWaitValue64``). The exception is a
 marker right after a copy or memset: that one is a recorded driver event
 (``cuEventRecord``), queried by the host and waited on with
-``cuStreamWaitEvent``. A counter write there, whose memory fence seems to wait
-for the copy engine, cut a 4-stream copy/kernel pipeline's gain on the H200
-from 1.80x to 1.57x (2026-12-04). Host work on a stream
+``cuStreamWaitEvent``: a counter write there has a memory fence that seems to
+wait for the copy engine, which takes away part of the overlap of copies and
+kernels on several streams. Host work on a stream
 (CPU functions, CPU ranges, pageable copies) runs on the CPU pool once the
 stream reaches it; what is enqueued behind it is held on the host and handed
 to the driver when it finishes (``_PolledStream``'s held submission), so no
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import _accel
+from ... import _accel, _config
 from ..._core import foreign as _interop
 from ..._core.engine import watcher
 from ..._core.event import DeviceEvent, _UserEvent
@@ -114,9 +114,9 @@ def _check(result: Any, what: str) -> Any:
 _tls = threading.local()
 
 
-# The completion write of the enqueue hot path. Measured on the H200 (2026-12-02):
-# 1.9 us through cuda.bindings, 2.6 us through a ctypes pointer to the driver's entry
-# point, so the bindings wrapper it is.
+# The completion write of the enqueue hot path: the cuda.bindings wrapper, which
+# costs the host less per call than a ctypes pointer to the driver's entry point
+# (ctypes converts each argument in Python).
 _write_value64 = cu.cuStreamWriteValue64
 
 
@@ -135,16 +135,12 @@ def _init_driver() -> int:
 def _kernel_markers() -> str:
     """What follows an eager launch on the C fast path (docs/completion.md): a
     write of the completion counter ("counter", the default) or a driver event
-    ("event"), from ASYNCGPU_KERNEL_MARKERS when a stream is created. The event
-    costs the host less to place (cuEventRecord 0.82 us against 2.03 us for
-    cuStreamWriteValue64 on the H200, 2026-12-04) but more to learn finished
-    (a locked cuEventQuery per poll against a memory read): in the same run the
-    event markers gave 48k awaited ops/s against 60k, and a 13.5 us round trip
-    against 13.2 us (benchmarks/results/2026-12-04-h200-bench-4c883e6.json)."""
-    kind = os.environ.get("ASYNCGPU_KERNEL_MARKERS", "counter")
-    if kind not in ("event", "counter"):
-        raise ValueError(f"ASYNCGPU_KERNEL_MARKERS must be event or counter, not {kind!r}")
-    return kind
+    ("event"), from ASYNCGPU_KERNEL_MARKERS (``_config``). The event costs the
+    host less to place (``cuEventRecord`` against ``cuStreamWriteValue64``) but
+    more to learn finished (a locked ``cuEventQuery`` per poll against a plain
+    memory read), and an await polls more often than it places, so the counter
+    is the default (see the performance page)."""
+    return _config.SETTINGS.kernel_markers
 
 
 # The hot path's direct driver calls (``asyncgpu._native``, a C extension): None
@@ -164,7 +160,7 @@ def _entry_point(name: str) -> int:
 def _bind_native() -> None:
     global _native
     native = _accel.native
-    if _native is not None or native is None or os.environ.get("ASYNCGPU_NATIVE", "1") == "0":
+    if _native is not None or native is None or not _config.SETTINGS.native:
         return
     try:
         native.bind(
@@ -222,11 +218,7 @@ _device_queues: dict[int, _HardwareQueues] = {}
 def _queue_limit() -> int:
     """Hardware queues the driver gives one device's streams:
     ``CUDA_DEVICE_MAX_CONNECTIONS`` (1..32), else the driver's default of 8."""
-    try:
-        n = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
-    except ValueError:
-        return 8
-    return n if 1 <= n <= 32 else 8
+    return _config.SETTINGS.device_max_connections
 
 
 def _join_queues(device_id: int, stream: CudaStream) -> _HardwareQueues:
@@ -400,8 +392,8 @@ class _DeviceAlloc:
         """Never free this memory. cuda.core has no way to give a buffer up, so its
         Buffer gets a reference that is never dropped, which also keeps it out of
         the interpreter's teardown: freed there, it is freed on the stream it was
-        allocated on, and ``cuMemFreeAsync`` on a destroyed stream crashed the
-        process on the H200 (2026-12-03, 2026-12-04). The ctypes functions are
+        allocated on, and ``cuMemFreeAsync`` on a destroyed stream can crash the
+        process. The ctypes functions are
         bound as defaults so that this works while the module is torn down."""
         buf, self.buf = self.buf, None
         if buf is not None:
@@ -450,8 +442,8 @@ class _CudaFunction(_KernelBase):
         self.fn = cu.CUfunction(int(self.kernel.handle))  # what cuLaunchKernel takes
         self.handle = int(self.kernel.handle)
         # The signature comes from the PTX, not from the driver: asking the driver
-        # (cuda.core's Kernel.arguments_info) blocked on the H200 while a stream of
-        # the context was held back for host work (2026-12-02).
+        # (cuda.core's Kernel.arguments_info) can block while a stream of the
+        # context is held back for host work.
         self.param_sizes: tuple[int, ...] | None = _ptx_param_sizes(ptx, name) if ptx else None
         self.plans: dict[tuple[type, ...], _ArgPlan] = {}
         self.last: _ArgPlan | None = None  # the plan of the last launch (the fast path's)
@@ -861,7 +853,7 @@ class CudaStream(_PolledStream):
         """This stream waits, on the device, until ``other`` has finished ``seq``."""
         other._device_wait_for(self.raw, seq)
 
-    # -- ordering with streams of other libraries (``_interop``) ---------------------------
+    # -- ordering with streams of other libraries (``_core.foreign``) ---------------------------
 
     def wait_for_handle(self, producer: int) -> None:
         """Later work here waits, on the device, for what the foreign stream
@@ -885,8 +877,8 @@ class CudaStream(_PolledStream):
         blocks until that work has reached the driver (``settle``): a device-side
         wait for it would be a stream waiting on memory that only finishing host
         work lets the GPU write, and the driver can then block other calls (a
-        synchronous copy of the other library's) until it ends, which deadlocked on
-        the H200 (2026-12-02). Called with this stream's submit lock held
+        synchronous copy of the other library's) until it ends, which can deadlock.
+        Called with this stream's submit lock held
         (``settle=False``), a stream still held falls back to that counter wait."""
         if settle:
             self._settle()
@@ -1041,11 +1033,11 @@ class CudaStream(_PolledStream):
                 if self._marked < seq:
                     self._place_marker()
                 # The in-flight queue gets a point of the stream's own, which
-                # finishes the user event only while it is still recorded here. (The
-                # user event itself went in until 2026-12-04: recorded again, on
-                # another stream or later on this one, it carried its new sequence
-                # number into this queue, and the queue's retirement stopped there:
-                # later awaits on this stream could hang.)
+                # finishes the user event only while it is still recorded here. (Not
+                # the user event itself: recorded again, on another stream or later
+                # on this one, it would carry its new sequence number into this
+                # queue, and the queue's retirement would stop there: later awaits
+                # on this stream could hang.)
                 point = DeviceEvent(self, seq, None)
                 point._add_waiter(_RecordReached(ev, self, seq))
             ev._repoint(self, seq, point)
@@ -1381,8 +1373,8 @@ class _StageKits:
     Never on the pool thread: while a stream waits on host memory (a wrapped
     stream's ``cuStreamWaitValue64`` behind host work) the driver may hold calls
     such as ``cuStreamCreate`` in other threads until that wait ends, which
-    would then be never (the H200 hung ``test_external_cupy_stream[cuda]`` so,
-    2026-12-04, in a pool thread's ``cuStreamCreate``). At most ``limit`` kits
+    would then be never (a pool thread's ``cuStreamCreate`` hangs so, as
+    ``test_external_cupy_stream[cuda]`` checks). At most ``limit`` kits
     are made (the CPU pool's size: no more copies run at once), so a burst of
     queued copies does not make a stream each. ``take`` finds one made for it,
     or, if another enqueuing thread is still making the last one, makes one
@@ -1442,9 +1434,7 @@ class CudaBackend:
         if not 0 <= device_id < count:
             raise IndexError(f"CUDA device {device_id} does not exist (there are {count})")
         self.device_id = device_id
-        self.completion = os.environ.get("ASYNCGPU_COMPLETION", "counter").strip().lower()
-        if self.completion not in ("counter", "event"):
-            raise ValueError(f"ASYNCGPU_COMPLETION={self.completion!r}: use 'counter' or 'event'")
+        self.completion = _config.SETTINGS.completion
         self.dev = _check(cu.cuDeviceGet(device_id), "cuDeviceGet")
         self.ctx = _check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
         self.make_current()
@@ -1472,7 +1462,7 @@ class CudaBackend:
         self._core_device.set_current()
         self.mr = DeviceMemoryResource(device_id)
         self._keep_pool_memory()
-        if os.environ.get("ASYNCGPU_DISABLE_HEALTHCHECK", "") not in ("1", "true", "True"):
+        if not _config.SETTINGS.disable_healthcheck:
             self.healthcheck()
 
     # -- context -------------------------------------------------------------------------
@@ -1738,13 +1728,13 @@ class CudaBackend:
 
     def _wait_for_host_work(self, what: str) -> None:
         """Loading a module waits, inside the driver, for streams that wait on the
-        device for host work (seen on the H200, 2026-12-02, with eager and lazy
-        module loading alike). If that host work waits for this thread, the process
+        device for host work (with eager and lazy module loading alike). If that
+        host work waits for this thread, the process
         deadlocks. Only wrapped streams still wait so (asyncgpu's own hold later
         work on the host); for them, wait here first, for at most
         ``ASYNCGPU_LOAD_WAIT_S`` (default 30 s), and raise a clear error instead of
         hanging."""
-        limit = float(os.environ.get("ASYNCGPU_LOAD_WAIT_S", "30"))
+        limit = _config.SETTINGS.load_wait_s
         t0 = time.monotonic()
         delay = 0.0001
         while True:
@@ -1821,9 +1811,9 @@ class CudaBackend:
         return freed
 
     def alloc_host(self, nbytes: int, stream: _StreamImpl) -> _PinnedAlloc:
-        """Page-locked host memory from ``_pinned``, usable by the host at once. (A
-        stream-ordered pinned pool was measured on the H200: cuMemcpyAsync treated
-        its memory as pageable and copied it at enqueue time, so it is not used.)"""
+        """Page-locked host memory from ``_pinned``, usable by the host at once. (Not
+        a stream-ordered pinned pool: cuMemcpyAsync treats its memory as pageable
+        and copies it at enqueue time.)"""
         self.make_current()
         return _PinnedAlloc(nbytes)
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ... import _config
 from ..._errors import CompileError
 
 __all__ = [
@@ -106,7 +107,8 @@ class CompiledModule:
 
 def default_cache_dir() -> Path:
     """The on-disk kernel cache: ``$ASYNCGPU_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/asyncgpu/kernels``, else ``~/.cache/asyncgpu/kernels``.
+    ``$XDG_CACHE_HOME/asyncgpu/kernels``, else ``~/.cache/asyncgpu/kernels``
+    (read once, at import: ``_config``).
 
     Pure path arithmetic (no NVRTC or driver call); the directory is created on
     the first write, not here."""
@@ -116,12 +118,7 @@ def default_cache_dir() -> Path:
 def _default_cache_dir() -> str:
     """``default_cache_dir()`` as a str, with ``os.path`` (a fresh process's
     first cache lookup: pathlib's first use costs more than the lookup)."""
-    explicit = os.environ.get("ASYNCGPU_CACHE_DIR")
-    if explicit:
-        return os.path.expanduser(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = os.path.expanduser(xdg) if xdg else os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "asyncgpu", "kernels")
+    return _config.SETTINGS.cache_dir
 
 
 # --------------------------------------------------------------------------- NVRTC loading
@@ -571,8 +568,8 @@ def compile_cuda(
     ``nvrtcGetCUBIN`` / ``nvrtcGetPTX`` / ``nvrtcGetProgramLog`` and blocks the
     calling thread for the compile (typically 30 ms to seconds; the GIL is
     released meanwhile). Thread-safe: concurrent calls for the same kernel
-    compile it once; asyncgpu does not serialize different kernels (NVRTC 13.5
-    was seen to run them one at a time anyway). The in-process cache is shared
+    compile it once; asyncgpu does not serialize different kernels (NVRTC may
+    run them one at a time internally). The in-process cache is shared
     by all ``cache_dir`` values.
 
     Raises ``CompileError`` (with NVRTC's full log in ``.log``) when the code
