@@ -52,6 +52,23 @@ extern "C" __global__ void affine(float* x, int n, float a, float b, int iters) 
 """
 
 
+# What the await-against-sync comparison means on the device the script ran on.
+COMPARISON_NOTE = {
+    "cpu": (
+        "the CPU device runs each request's copies and kernel as Python on a thread pool "
+        "under the GIL, so there is little device time to overlap, and an await adds a "
+        "hop from the pool thread back to the event loop that a blocking synchronize() "
+        "does not: await may well come out slower here. Run on a GPU for the real "
+        "comparison"
+    ),
+    "cuda": (
+        "with await the event loop keeps serving other clients while the GPU works; "
+        "ctx.synchronize() stops the whole loop for each request, which the loop stall "
+        "column shows"
+    ),
+}
+
+
 def affine_cpu(blk: ThreadBlock, x, n, a, b, iters) -> None:
     i = blk.global_idx.x
     i = i[i < n]
@@ -260,6 +277,7 @@ async def main(argv: list[str] | None = None) -> int:
                 f"{names[r['mode']]:<22}{r['requests_per_s']:>10.0f}{r['p50_ms']:>10.2f}"
                 f"{r['p99_ms']:>10.2f}{r['max_loop_stall_ms']:>15.2f}"
             )
+        print(f"what this means here: {COMPARISON_NOTE.get(device['api'], '')}")
         verdict = "every reply matches NumPy" if result["verified"] else "WRONG REPLIES"
         print(f"verified: {verdict}; results in {out / 'server-results.json'}")
     return 0 if result["verified"] else 1
