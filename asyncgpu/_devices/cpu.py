@@ -31,7 +31,8 @@ from .._errors import CompileError, UnsupportedError
 from .._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
 if TYPE_CHECKING:
-    from .._api.context import DeviceContext, _ContextState
+    from .._core.protocols import ContextView as DeviceContext
+    from .._core.state import _ContextState
     from .._types import ConstantMemoryMapping, LaunchAttribute
 
 __all__ = ["CpuBackend"]

@@ -56,7 +56,8 @@ from ..._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPr
 from .compiler import compile_cuda, dump_sass, write_dump
 
 if TYPE_CHECKING:
-    from ..._api.context import DeviceContext, _ContextState
+    from ..._core.protocols import ContextView as DeviceContext
+    from ..._core.state import _ContextState
     from ..._types import ConstantMemoryMapping, FuncAttribute, LaunchAttribute
 
 from cuda.bindings import driver as cu
