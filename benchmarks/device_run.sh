@@ -3,11 +3,11 @@
 #   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only] [--skip-bench]
 #                [--sanitize]  (also: the CUDA test cases under compute-sanitizer memcheck)
 #                [--exit-check] (also: each test file in its own process, with its exit status)
-#                [--gdb=tests/test_x.py] (also: that file under cuda-gdb, for a native backtrace)
-#                [--probe] (also: benchmarks/probe_driver.py: the driver calls' host cost, the
+#                [--gdb=tests/api/test_x.py] (also: that file under cuda-gdb, for a native backtrace)
+#                [--probe] (also: benchmarks/diagnostics/probe_driver.py: the driver calls' host cost, the
 #                layers of a launch, the copy/kernel pipeline by kind of marker; and
-#                benchmarks/probe_await.py: where the time of an awaited launch goes;
-#                benchmarks/probe_trace.py: where a traced launch's time goes)
+#                benchmarks/diagnostics/probe_await.py: where the time of an awaited launch goes;
+#                benchmarks/diagnostics/probe_trace.py: where a traced launch's time goes)
 # Writes under $OUT (at most 8 files): env.txt, tests.log (with memcheck's log), tests.json,
 # bench.json, bench.log, probe.json (with probe_await's and probe_trace's figures under "await" and "trace"), soak.json, soak.log. Copy them to benchmarks/results/ with the date and commit them.
 # The H200 image lacks some test dependencies; carry them as wheels (device tool: carry .whl,
@@ -89,7 +89,7 @@ PY
 fi
 if [ -n "$EXIT_CHECK" ]; then
   # Which test file's process crashes on the way out (the whole suite's did, 2026-12-02).
-  for f in tests/test_*.py; do
+  for f in tests/*/test_*.py; do
     timeout 120 python3 -m pytest -q -p no:cacheprovider --capture=sys "$f" > /tmp/exit-check.log 2>&1
     code=$?
     echo "$(basename "$f") exit=$code"
@@ -113,8 +113,8 @@ if [ -n "$SANITIZE" ]; then
   if [ -n "$CS" ]; then
     # Leaks are not checked: the pools keep their memory until the process exits.
     timeout "${SANITIZE_TIMEOUT:-240}" "$CS" --tool memcheck --leak-check no --error-exitcode 9 \
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_backend.py \
-      tests/test_reliability.py -k "${SANITIZE_K:-not ten_thousand and not fault}" \
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/devices/test_cuda_backend.py \
+      tests/api/test_reliability.py -k "${SANITIZE_K:-not ten_thousand and not fault}" \
       > "$OUT/memcheck.log" 2>&1
     echo "memcheck rc=$?" | tee -a "$OUT/memcheck.log"
     grep -E "ERROR SUMMARY|LEAK SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5
@@ -132,11 +132,11 @@ if [ "$MODE" != tests ]; then
       tail -45 "$OUT/bench.log"
     fi
     if [ -n "$PROBE" ]; then
-      timeout 120 python3 benchmarks/probe_driver.py --json "$OUT/probe.json" 2>&1 | tail -20
+      timeout 120 python3 benchmarks/diagnostics/probe_driver.py --json "$OUT/probe.json" 2>&1 | tail -20
       # The device tool brings back at most 8 files: probe_await's figures go into
       # probe.json under the key "await".
-      timeout 60 python3 benchmarks/probe_await.py --json /tmp/probe-await.json 2>&1 | tail -14
-      timeout 60 python3 benchmarks/probe_trace.py --json /tmp/probe-trace.json 2>&1 | tail -16
+      timeout 60 python3 benchmarks/diagnostics/probe_await.py --json /tmp/probe-await.json 2>&1 | tail -14
+      timeout 60 python3 benchmarks/diagnostics/probe_trace.py --json /tmp/probe-trace.json 2>&1 | tail -16
       python3 - "$OUT/probe.json" /tmp/probe-await.json /tmp/probe-trace.json <<'PY'
 import json, sys
 probe = json.load(open(sys.argv[1])) if __import__("os").path.exists(sys.argv[1]) else {}

@@ -4,7 +4,7 @@ blocking launch + ``cuStreamSynchronize`` and an ``event.synchronize()``) and
 back to back, how often the await fell back to the reactor, and a naive peer
 (launch, counter write, ``asyncio.sleep(0)`` polling) in the same process.
 
-    python benchmarks/probe_await.py [--completion counter|event] [--json OUT.json]
+    python benchmarks/diagnostics/probe_await.py [--completion counter|event] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _med(xs: list[int]) -> float:

@@ -1,11 +1,12 @@
 """Where the time of the reliability suite's 10,000-cancelled-tasks round goes on a
-device: the round of ``tests/test_reliability.py`` (each task enqueues one
+device: the round of ``tests/api/test_reliability.py`` (each task enqueues one
 operation behind a gate, on one of 4 streams, and is cancelled while it waits),
 timed by phase, with each stream's state printed every half second while the
 streams drain, and when each stream finished.
 
-    python benchmarks/probe_cancel_round.py [--api cuda] [--tasks 10000]
-    python benchmarks/probe_cancel_round.py --api cuda --staged 2000 [--switch-interval 0.0001]
+    python benchmarks/diagnostics/probe_cancel_round.py [--api cuda] [--tasks 10000]
+    python benchmarks/diagnostics/probe_cancel_round.py --api cuda --staged 2000 \
+        [--switch-interval 0.0001]
 
 ``--switch-interval`` sets ``sys.setswitchinterval`` for the run (CPython's
 default is 0.005 s): if the gaps between host work shrink with it, threads are
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from asyncgpu import DeviceContext
 

@@ -4,7 +4,7 @@ cuda.core's ``launch``, and straight through the driver's entry points
 (``asyncgpu._native``). Also checks that a launch through ``_native`` computes
 what NumPy does.
 
-    python benchmarks/probe_driver.py [--json OUT.json]
+    python benchmarks/diagnostics/probe_driver.py [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import asyncgpu as ag
 from asyncgpu._devices.cuda import backend as _cuda
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import GcRecorder, environment_info, report_probe
 from bench_fastpaths import SRC  # its "empty" and "axpy" kernels
 

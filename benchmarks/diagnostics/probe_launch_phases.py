@@ -9,7 +9,7 @@ difference beside each phase: every thread's CPU time and context switches
 (``/proc/self/task``), the device time the rounds' kernels took (driver events
 around each round), the stream's marker state, and the watcher thread's work.
 
-    python benchmarks/probe_launch_phases.py [--json OUT.json]
+    python benchmarks/diagnostics/probe_launch_phases.py [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CALLS, ROUNDS = 10000, 15
 

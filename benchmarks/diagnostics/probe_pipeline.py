@@ -11,7 +11,7 @@ each reported as (one stream) / (four streams), medians of repeats:
   D2H event (as the bench does: a marker after each) or none, one device buffer
   per stream or one per chunk.
 
-    python benchmarks/probe_pipeline.py [--json OUT.json]
+    python benchmarks/diagnostics/probe_pipeline.py [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import asyncgpu as ag
 from asyncgpu._devices.cuda import backend as _cuda
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import environment_info
 from bench_fastpaths import SRC  # its in-place "scale" kernel
 

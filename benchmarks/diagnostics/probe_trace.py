@@ -7,7 +7,7 @@ part of the trace alone), and the driver calls a timestamp is made of, each time
 itself through cuda.bindings (``cuEventCreate``, ``cuEventRecord``,
 ``cuEventElapsedTime``).
 
-    python benchmarks/probe_trace.py [--json OUT.json]
+    python benchmarks/diagnostics/probe_trace.py [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 CALLS, ROUNDS = 2500, 5
 

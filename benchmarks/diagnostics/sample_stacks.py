@@ -2,7 +2,7 @@
 while a sampler thread records each thread's innermost asyncgpu frame (and the
 frame that called into it) every few milliseconds, then prints the most frequent.
 
-    python benchmarks/sample_stacks.py [--interval-ms 2] [--top 25] -- PYTEST_ARGS...
+    python benchmarks/diagnostics/sample_stacks.py [--interval-ms 2] [--top 25] -- PYTEST_ARGS...
 
 A diagnostic for the device machine, where no profiler is installed.
 """
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -961,7 +961,7 @@ def test_zz_fuzz_report(capsys: pytest.CaptureFixture[str]) -> None:
             + ", ".join(f"{k} x{v}" for k, v in sorted(RAISED.items()))
         )
     if os.environ.get("ASYNCGPU_FUZZ_REPORT"):
-        path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "fuzz-cpu.json"
+        path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "fuzz-cpu.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     assert {t.__name__ for t in DOCUMENTED} <= set(RAISED), RAISED

@@ -31,7 +31,7 @@ from asyncgpu import ContextClosedError, DeviceContext, DeviceEvent
 from asyncgpu._core import engine as _engine
 from asyncgpu._core.pool import pool_size
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 N = 1024
 
 
@@ -854,7 +854,7 @@ def test_buffers_kept_past_their_context_let_the_interpreter_exit_cleanly(
 
     script = tmp_path / "kept.py"
     script.write_text(EXIT_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     for _ in range(6):  # the crash did not come every time
         proc = subprocess.run(
             [sys.executable, "-X", "faulthandler", str(script), api],

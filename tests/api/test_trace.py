@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _kernels import ADD_ONE, random_array
-from test_markers import RecordingStream
+from _recording_stream import RecordingStream
 
 from asyncgpu import (
     DeviceContext,

@@ -18,7 +18,7 @@ import sys
 import threading
 
 import pytest
-from test_markers import RecordingStream
+from _recording_stream import RecordingStream
 
 from asyncgpu import DeviceFaultError
 from asyncgpu._core import engine as _engine

@@ -9,41 +9,9 @@ whose markers are recorded instead of sent to a device.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from _recording_stream import RecordingStream
 
-from asyncgpu import DeviceEvent
-from asyncgpu._core.stream import _HardwareQueues, _PolledStream
-
-
-class RecordingStream(_PolledStream):
-    """A polled stream that records the sequence number each marker covers."""
-
-    def __init__(self) -> None:
-        super().__init__(SimpleNamespace(api="test", device_id=0), 0, 0)
-        self.markers: list[int] = []
-        self.done = 0  # what the device has finished (the completion counter)
-
-    def _place_marker(self) -> None:
-        self._marked = self._seq
-        self.markers.append(self._seq)
-
-    def _completed(self) -> int:
-        return self.done
-
-    def submit(self) -> DeviceEvent:
-        """One operation, submitted the way the CUDA backend does."""
-        with self._submit_lock:
-            self._before_submit()
-            self._seq += 1
-            ev = DeviceEvent(self, self._seq)
-            self._inflight.append(ev)
-            if self._eager:
-                self._place_marker()
-        return ev
-
-    def finish_all(self) -> None:
-        self.done = self._seq
-        self._retire()
+from asyncgpu._core.stream import _HardwareQueues
 
 
 def test_fire_and_forget_work_gets_no_marker() -> None:

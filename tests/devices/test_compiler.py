@@ -30,7 +30,7 @@ from asyncgpu._devices.cuda.compiler import (
 )
 from asyncgpu._errors import CompileError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 AXPY = r"""
 extern "C" __global__ void axpy(float a, const float* x, float* y, int n) {

@@ -431,7 +431,7 @@ def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> Non
 # -- which marker follows an operation ---------------------------------------------------
 # A counter write (cuStreamWriteValue64) right after a copy waits, in its memory fence,
 # for the copy engines; on the H200 that cost a 4-stream copy/kernel pipeline a tenth of
-# its overlap (benchmarks/probe_pipeline.py). So the marker right after a copy or memset
+# its overlap (benchmarks/diagnostics/probe_pipeline.py). So the marker right after a copy or memset
 # is a recorded driver event, and other streams wait on that event, not on the counter.
 
 

@@ -542,7 +542,7 @@ def test_cuda_stream_launch_takes_the_fast_path_or_hands_the_launch_to_launch(
 
 # -- the marker after an eager launch as a driver event --------------------------------
 # cuStreamWriteValue64 cost the H200's host 1.45 us a call, cuEventRecord 0.49 us
-# (benchmarks/probe_driver.py, 2026-12-04): the eager marker after a launch is an event.
+# (benchmarks/diagnostics/probe_driver.py, 2026-12-04): the eager marker after a launch is an event.
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
@@ -258,7 +258,7 @@ def test_the_engine_emulation_runs_on_a_stand_in_driver(tmp_path):
     if _accel.native is None:
         pytest.skip("the C extension is not built, or ASYNCGPU_NATIVE=0")
     out = tmp_path / "emulated.json"
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "emulate_engine.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "emulate_engine.py"
     subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)], check=True)
     figures = json.loads(out.read_text())
     for key in ("launch_4args_us", "launch_and_await_us", "throughput_ops_per_s"):
@@ -279,7 +279,7 @@ def test_the_instruction_count_workloads_run_without_valgrind(case: str) -> None
 
     if _accel.native is None:
         pytest.skip("the C extension is not built, or ASYNCGPU_NATIVE=0")
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "callgrind_paths.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "callgrind_paths.py"
     done = subprocess.run(
         [sys.executable, str(script), "--workload", case, "2"],
         capture_output=True,
@@ -298,7 +298,7 @@ def test_the_report_renders_the_committed_gpu_runs_with_their_wake_budget_sweeps
     the settings took turns (20dee70 on) or ran one after another (3860686)."""
     import report
 
-    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     for name, how in (
         ("2026-12-07-h100-bench-20dee70.json", "taking turns round by round"),
         ("2026-12-07-h200-bench-3860686.json", "one setting after another"),
@@ -313,6 +313,6 @@ def test_the_report_renders_the_committed_gpu_runs_with_their_wake_budget_sweeps
 def test_the_report_leaves_out_the_sweep_of_a_run_that_has_none():
     import report
 
-    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
     doc = json.loads((results / "2026-12-07-h200-bench-d387f2c.json").read_text())
     assert "wake-up budget" not in report.render(doc)

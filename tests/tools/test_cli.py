@@ -17,7 +17,7 @@ import pytest
 from asyncgpu._tools import cli as _cli
 from asyncgpu._tools.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -14,7 +14,7 @@ comment on the line just before its fence::
 and ``NO_RUN`` below counts those marks, so that they cannot silently grow. A
 block that only includes a file (``--8<-- "examples/x.py"``, pymdownx.snippets)
 shows that file verbatim; the test checks that the file exists (the examples
-themselves run in tests/test_examples.py).
+themselves run in tests/tools/test_examples.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SOURCES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TIMEOUT_S = 60
 
