@@ -344,9 +344,9 @@ def _bare_launches_ms(ctx: ag.DeviceContext, empty: ag.DeviceFunction, n: int) -
     """Milliseconds that ``n`` launches of ``empty`` take through the bare C entry
     point (``_native.launch``: the driver call, no event), back to back on stream
     0; None without the extension or on the CPU device."""
-    from asyncgpu._devices.cuda import backend as _cuda
+    from asyncgpu._devices.cuda import driver as _driver
 
-    native = getattr(_cuda, "_native", None) if ctx.api() == "cuda" else None
+    native = getattr(_driver, "_native", None) if ctx.api() == "cuda" else None
     if native is None:
         return None
     fn, h, dims = int(empty._impl.fn), ctx.stream()._impl.h, (1, 1, 1, 1, 1, 1, 0)

@@ -90,13 +90,13 @@ def _launch(em: Any, n: int, four: bool) -> None:
 def _create(em: Any, n: int) -> None:
     import numpy as np
 
-    from asyncgpu._devices.cuda import backend as _cuda
+    from asyncgpu._devices.cuda import memory as _memory
 
     with tempfile.TemporaryDirectory() as tmp:
         em.bind(em.stub_driver(tmp), deferred=False)
         s = em.stream(0)
         ctx = em.context(s)
-        s.spare.keep(_cuda._DeviceAlloc(None, em._CoreBuffer(), None, 1 << 20), 1 << 20)
+        s.spare.keep(_memory._DeviceAlloc(None, em._CoreBuffer(), None, 1 << 20), 1 << 20)
         create, u8 = ctx.enqueue_create_buffer, np.uint8
         for _ in range(n):
             b = create(u8, 1 << 20)

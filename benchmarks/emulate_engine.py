@@ -47,7 +47,11 @@ from asyncgpu import (
 from asyncgpu._core.engine import watcher
 from asyncgpu._core.state import _ContextState, _Ref
 from asyncgpu._core.trace import Trace
-from asyncgpu._devices.cuda import backend as _cuda
+from asyncgpu._devices.cuda import backend as _backend
+from asyncgpu._devices.cuda import driver as _driver
+from asyncgpu._devices.cuda import launch as _launch
+from asyncgpu._devices.cuda import memory as _memory
+from asyncgpu._devices.cuda import stream as _stream
 
 DIMS = (1, 1, 1, 1, 1, 1, 0)
 
@@ -80,11 +84,11 @@ def bind(lib: ctypes.CDLL, deferred: bool) -> None:
     native.configure(
         DeviceEvent,
         watcher.sweep_later,
-        _cuda._PolledStream.MARK_EVERY,
-        _cuda.CudaStream,
-        _cuda._DeviceAlloc,
+        _stream._PolledStream.MARK_EVERY,
+        _stream.CudaStream,
+        _memory._DeviceAlloc,
     )
-    _cuda._native = native
+    _driver._native = native
 
 
 class _CorePool:
@@ -98,7 +102,7 @@ class _CorePool:
 class _Backend:
     completion = "counter"
     mr = _CorePool()
-    alloc_device = _cuda.CudaBackend.alloc_device
+    alloc_device = _backend.CudaBackend.alloc_device
 
     def make_current(self) -> None:
         pass
@@ -117,8 +121,8 @@ class _Buffer(_accel.native.BufferCore if _accel.native is not None else object)
 def stream(index: int) -> Any:
     """A ``CudaStream`` as ``CudaStream.__init__`` makes one, without a driver."""
     state = SimpleNamespace(device_id=0, api="cuda", closed=False)
-    s = _cuda.CudaStream.__new__(_cuda.CudaStream)
-    _cuda._PolledStream.__init__(s, state, index, 0)
+    s = _stream.CudaStream.__new__(_stream.CudaStream)
+    _stream._PolledStream.__init__(s, state, index, 0)
     s.backend, s.owned, s.is_closed = _Backend(), True, False
     s._events, s._copy_marks, s._free_events = None, deque(), []
     s._after_copy, s._counter_mark, s._done_seq, s._host_ops = False, 0, 0, 0
@@ -131,7 +135,7 @@ def stream(index: int) -> Any:
     s._write_marker = lambda seq: _accel.native.write64(s.h, s.caddr, seq)
     s._query_fault = lambda: None
     s._param_mem, s.label = {}, f"stub:0/s{index}"
-    s.spare = _cuda._SpareBuffers(_cuda._SPARE_BYTES, _cuda._SPARE_PER_SIZE)
+    s.spare = _memory._SpareBuffers(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
     return s
 
 
@@ -165,16 +169,16 @@ def function(ctx: DeviceContext, f: Any, grid: int, block: int) -> DeviceFunctio
 def kernel(streams: list[Any], args: tuple[Any, ...], codes: bytes) -> Any:
     """A function whose last plan is ``args``' types, with parameter memory on
     every stream; it is also its own compiled code and launch configuration."""
-    plan = _cuda._ArgPlan((), struct.Struct("<" + "Q" * len(args)), tuple(map(type, args)))
+    plan = _launch._ArgPlan((), struct.Struct("<" + "Q" * len(args)), tuple(map(type, args)))
     plan.codes = codes
     for s in streams:
-        s._param_mem[plan] = _cuda._ParamMemory(8 * len(args))
+        s._param_mem[plan] = _launch._ParamMemory(8 * len(args))
     f = _StubKernel()
     f.last, f.handle, f.dims, f._impl = plan, 0xF00, DIMS, f
     return f
 
 
-class _StubKernel(_cuda._KernelBase):
+class _StubKernel(_launch._KernelBase):
     """A stand-in for ``_CudaFunction``: its ``last`` plan in the extension's
     ``KernelCore``, as the launch reads it, and the handle and dimensions."""
 
@@ -270,7 +274,7 @@ def main() -> dict[str, Any]:
         del trace
 
         # A 1 MiB device buffer created from what the stream kept, and dropped.
-        alloc = _cuda._DeviceAlloc(None, _CoreBuffer(), None, 1 << 20)  # type: ignore[arg-type]
+        alloc = _memory._DeviceAlloc(None, _CoreBuffer(), None, 1 << 20)  # type: ignore[arg-type]
         s.spare.keep(alloc, 1 << 20)
 
         def create_drop() -> None:

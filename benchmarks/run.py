@@ -394,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             outnumber the hardware queues, and no stream would place eager markers
             at all)."""
             from asyncgpu import _config
-            from asyncgpu._devices.cuda import backend as _cuda
+            from asyncgpu._devices.cuda import backend as _backend
 
-            streams = _cuda._all_streams(ctx._state.backend)
+            streams = _backend._all_streams(ctx._state.backend)
             before = [s._kernel_event_markers for s in streams]
             settings = _config.SETTINGS
             _config.SETTINGS = settings.replace(kernel_markers="event")  # streams made meanwhile
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 _config.SETTINGS = settings
                 for s, b in zip(streams, before, strict=True):
                     s._kernel_event_markers = b
-                for s in _cuda._all_streams(ctx._state.backend):
+                for s in _backend._all_streams(ctx._state.backend):
                     if s not in streams:
                         s._kernel_event_markers = False
 

@@ -131,13 +131,13 @@ def sample(ctx: DeviceContext, streams: int, progress: float, t0: float) -> dict
         "live_events": _live_events(),
     }
     if ctx.api() == "cuda":
-        from asyncgpu._devices.cuda import backend as _cuda
+        from asyncgpu._devices.cuda import memory as _memory
 
         inflight = [len(ctx.select_stream(i)._impl._inflight) for i in range(streams)]
         free, total = ctx.get_memory_info()
         s["inflight_events"] = sum(inflight)
         s["inflight_per_stream"] = inflight
-        s["pinned_cached_bytes"] = _cuda._pinned.cached_bytes()
+        s["pinned_cached_bytes"] = _memory._pinned.cached_bytes()
         s["device_used_bytes"] = total - free
     return s
 

@@ -13,6 +13,7 @@ import argparse
 import ctypes
 import gc
 import statistics
+import struct
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import asyncgpu as ag
-from asyncgpu._devices.cuda import backend as _cuda
+from asyncgpu._devices.cuda import driver as _driver
+from asyncgpu._devices.cuda import memory as _memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import GcRecorder, environment_info, report_probe
@@ -59,10 +61,10 @@ def main() -> dict[str, Any]:
     from cuda.bindings import driver as cu
     from cuda.core import LaunchConfig, launch
 
-    out: dict[str, Any] = {"environment": environment_info(), "native": _cuda._native is not None}
+    out: dict[str, Any] = {"environment": environment_info(), "native": _driver._native is not None}
     with ag.DeviceContext(api="cuda") as ctx:
-        out["native"] = _cuda._native is not None
-        native = _cuda._native
+        out["native"] = _driver._native is not None
+        native = _driver._native
         empty = ctx.compile_function(SRC, "empty")._impl
         axpy = ctx.compile_function(SRC, "axpy")._impl
         stream = ctx.stream()._impl
@@ -82,12 +84,12 @@ def main() -> dict[str, Any]:
         base = ctypes.addressof(data)
         ptrs = (ctypes.c_uint64 * 4)(*(base + 8 * i for i in range(4)))
         paddr = ctypes.addressof(ptrs)
-        packer = _cuda.struct.Struct("<f4xQQi4x")
+        packer = struct.Struct("<f4xQQi4x")
         packer.pack_into(data, 0, a_, x.unsafe_ptr(), y.unsafe_ptr(), nn)
         dims = (4, 1, 1, 256, 1, 1, 0)
         cfg4 = LaunchConfig(grid=4, block=256)
         cfg1 = LaunchConfig(grid=1, block=1)
-        counter = _cuda._slab.take()  # a counter of the probe's own
+        counter = _memory._slab.take()  # a counter of the probe's own
         seq = [0]
 
         out["bindings_launch_4args_us"] = per_call_us(
@@ -202,7 +204,7 @@ def main() -> dict[str, Any]:
             out["pipeline_8mib"] = f"error: {type(exc).__name__}: {exc}"
         sync()
         cu.cuEventDestroy(ev)
-        _cuda._slab.give_back(counter)
+        _memory._slab.give_back(counter)
     report_probe(out, a.json, skip=("pipeline_8mib", "bench_launch_section"))
     return out
 

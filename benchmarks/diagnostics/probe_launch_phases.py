@@ -83,7 +83,7 @@ def main() -> dict[str, Any]:
 
     import asyncgpu as ag
     from asyncgpu._devices.cuda import _engine
-    from asyncgpu._devices.cuda import backend as _cuda
+    from asyncgpu._devices.cuda import backend as _backend
 
     out: dict[str, Any] = {"environment": environment_info(), "phases": []}
     ctx = ag.DeviceContext(api="cuda")
@@ -192,7 +192,7 @@ def main() -> dict[str, Any]:
     both("after the paired rounds")
     time.sleep(2.0)
     both("2 s later")
-    out["streams_alive"] = len(_cuda._all_streams(ctx._state.backend))
+    out["streams_alive"] = len(_backend._all_streams(ctx._state.backend))
     drv.cuEventDestroy(ev0)
     drv.cuEventDestroy(ev1)
     ctx.close()

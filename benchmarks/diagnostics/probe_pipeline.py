@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import asyncgpu as ag
-from asyncgpu._devices.cuda import backend as _cuda
+from asyncgpu._devices.cuda import driver as _driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import environment_info
@@ -206,7 +206,7 @@ def main() -> dict[str, Any]:
         for chunk_mib in (8, 16):
             results.update(run_size(ctx, chunk_mib, a.reps))
         out["results"] = results
-        out["native"] = _cuda._native is not None
+        out["native"] = _driver._native is not None
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return out

@@ -457,9 +457,9 @@ def test_ten_thousand_cancelled_tasks_leak_nothing(ctx: DeviceContext, api: str)
     futures_before = _live(asyncio.Future)
     pinned_before = device_before = 0
     if api == "cuda":
-        from asyncgpu._devices.cuda import backend as _cuda
+        from asyncgpu._devices.cuda import memory as _memory
 
-        pinned_before = _cuda._pinned.cached_bytes()
+        pinned_before = _memory._pinned.cached_bytes()
         device_before = ctx.get_memory_info()[0]
     tracemalloc.start()
     try:
@@ -477,7 +477,7 @@ def test_ten_thousand_cancelled_tasks_leak_nothing(ctx: DeviceContext, api: str)
     assert other_threads() <= threads_before
     assert len(pool_threads()) <= max(pool_before, pool_size())
     if api == "cuda":
-        assert _cuda._pinned.cached_bytes() <= pinned_before + (1 << 20)
+        assert _memory._pinned.cached_bytes() <= pinned_before + (1 << 20)
         assert ctx.get_memory_info()[0] >= device_before - (64 << 20)
     # ... and the context still works.
     data = pattern(N)

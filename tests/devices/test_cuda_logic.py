@@ -9,9 +9,16 @@ import threading
 
 import pytest
 
-cuda = pytest.importorskip("asyncgpu._devices.cuda.backend", reason="cuda-python is not installed")
+_backend = pytest.importorskip(
+    "asyncgpu._devices.cuda.backend", reason="cuda-python is not installed"
+)
+
 
 from asyncgpu import DeviceError, _config  # noqa: E402
+from asyncgpu._devices.cuda import driver as _driver  # noqa: E402
+from asyncgpu._devices.cuda import launch as _launch  # noqa: E402
+from asyncgpu._devices.cuda import memory as _memory  # noqa: E402
+from asyncgpu._devices.cuda import stream as _stream  # noqa: E402
 from asyncgpu._devices.cuda.compiler import compile_cuda  # noqa: E402
 
 SRC = r"""
@@ -29,12 +36,12 @@ extern "C" __global__ void byval(Pair p, char c, short s, long long q) {}
 def test_kernel_signatures_are_read_from_the_ptx(name, sizes) -> None:
     ptx = compile_cuda(SRC, name, arch="sm_90", want_ptx=True).ptx
     assert ptx is not None
-    assert cuda._ptx_param_sizes(ptx, name) == sizes
+    assert _launch._ptx_param_sizes(ptx, name) == sizes
 
 
 def test_an_unknown_entry_has_no_signature() -> None:
     ptx = compile_cuda(SRC, "four", arch="sm_90", want_ptx=True).ptx
-    assert cuda._ptx_param_sizes(ptx, "missing") is None
+    assert _launch._ptx_param_sizes(ptx, "missing") is None
 
 
 class _HeldStream:
@@ -51,7 +58,7 @@ class _HeldStream:
 
 class _Backend:
     device_id = 0
-    _wait_for_host_work = cuda.CudaBackend._wait_for_host_work
+    _wait_for_host_work = _backend.CudaBackend._wait_for_host_work
 
     def __init__(self, *streams: _HeldStream) -> None:
         self._streams = list(streams)
@@ -61,7 +68,7 @@ class _Backend:
 def backend(monkeypatch):
     def make(*streams: _HeldStream) -> _Backend:
         b = _Backend(*streams)
-        monkeypatch.setattr(cuda, "_all_streams", lambda _b: list(b._streams))
+        monkeypatch.setattr(_backend, "_all_streams", lambda _b: list(b._streams))
         return b
 
     return make
@@ -113,21 +120,21 @@ def test_kernel_arguments_are_checked_once_per_type_tuple() -> None:
 
     impl = _Impl((4, 8, 8))
     args = (np.float32(2), _Cai(0x1000), _Cai(0x2000))
-    out, plan = cuda._kernel_args(impl, args, None)
+    out, plan = _launch._kernel_args(impl, args, None)
     assert list(out) == [np.float32(2), 0x1000, 0x2000] and plan.foreign
     assert len(impl.plans) == 1
     again = (np.float32(3), _Cai(0x3000), _Cai(0x4000))  # same types: the cached plan
-    assert list(cuda._kernel_args(impl, again, None)[0]) == [np.float32(3), 0x3000, 0x4000]
+    assert list(_launch._kernel_args(impl, again, None)[0]) == [np.float32(3), 0x3000, 0x4000]
     assert len(impl.plans) == 1
     scalars = (np.float32(1),)
     with pytest.raises(TypeError, match="takes 3 arguments, 1 given"):
-        cuda._kernel_args(impl, scalars, None)
+        _launch._kernel_args(impl, scalars, None)
     with pytest.raises(TypeError, match="argument 0 is 4 bytes, but float64 is 8 bytes"):
-        cuda._kernel_args(impl, (np.float64(1), _Cai(1), _Cai(2)), None)
+        _launch._kernel_args(impl, (np.float64(1), _Cai(1), _Cai(2)), None)
     with pytest.raises(TypeError, match="Python float"):
-        cuda._kernel_args(impl, (1.5, _Cai(1), _Cai(2)), None)
+        _launch._kernel_args(impl, (1.5, _Cai(1), _Cai(2)), None)
     with pytest.raises(TypeError, match="pageable host memory"):
-        cuda._kernel_args(impl, (np.float32(1), np.zeros(2), _Cai(2)), None)
+        _launch._kernel_args(impl, (np.float32(1), np.zeros(2), _Cai(2)), None)
     assert len(impl.plans) == 1  # a rejected tuple of types is not cached
 
 
@@ -136,7 +143,7 @@ def test_scalar_only_arguments_pass_through_unchanged() -> None:
 
     impl = _Impl(None)  # a kernel loaded from a cubin: no signature known
     args = (np.int32(1), np.int64(2))
-    out, plan = cuda._kernel_args(impl, args, None)
+    out, plan = _launch._kernel_args(impl, args, None)
     assert out is args and not plan.foreign
     assert plan.packer is None  # no signature: no fast packing (cuda.core's launch)
 
@@ -146,9 +153,9 @@ def test_plain_arguments_are_packed_8_bytes_apart_for_cuLaunchKernel() -> None:
 
     impl = _Impl((4, 8, 8, 4))  # axpy(float a, const float* x, float* y, int n)
     args = (np.float32(1.5), _Cai(0x1000), _Cai(0x2000), np.int32(-7))
-    out, plan = cuda._kernel_args(impl, args, None)
+    out, plan = _launch._kernel_args(impl, args, None)
     assert plan.packer is not None and plan.packer.size == 32
-    mem = cuda._ParamMemory(plan.packer.size)
+    mem = _launch._ParamMemory(plan.packer.size)
     plan.packer.pack_into(mem.data, 0, *out)
     raw = bytes(mem.data)
     assert np.frombuffer(raw[0:4], np.float32)[0] == np.float32(1.5)
@@ -163,26 +170,26 @@ def test_arguments_without_a_known_signature_are_not_packed() -> None:
 
     impl = _Impl((16,))  # a by-value struct of 16 bytes: cuda.core's launch packs it
     arg = np.zeros(1, dtype=[("a", "f8"), ("b", "i8")])[0]
-    assert cuda._kernel_args(impl, (arg,), None)[1].packer is None
+    assert _launch._kernel_args(impl, (arg,), None)[1].packer is None
 
 
 def test_a_driver_without_the_hot_path_entry_points_leaves_cuda_bindings_in_charge(
     monkeypatch,
 ) -> None:
-    monkeypatch.setattr(cuda, "_native", None)
-    not_found = cuda.cu.CUresult.CUDA_ERROR_NOT_FOUND
-    monkeypatch.setattr(cuda.cu, "cuGetProcAddress", lambda *a: (not_found, 0, None))
-    cuda._bind_native()
-    assert cuda._native is None
+    monkeypatch.setattr(_driver, "_native", None)
+    not_found = _driver.cu.CUresult.CUDA_ERROR_NOT_FOUND
+    monkeypatch.setattr(_driver.cu, "cuGetProcAddress", lambda *a: (not_found, 0, None))
+    _backend._bind_native()
+    assert _driver._native is None
 
 
 def test_asyncgpu_native_0_leaves_cuda_bindings_in_charge(monkeypatch) -> None:
-    monkeypatch.setattr(cuda, "_native", None)
+    monkeypatch.setattr(_driver, "_native", None)
     monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(native=False))
     asked: list[object] = []
-    monkeypatch.setattr(cuda.cu, "cuGetProcAddress", lambda *a: asked.append(a))
-    cuda._bind_native()
-    assert cuda._native is None and asked == []
+    monkeypatch.setattr(_driver.cu, "cuGetProcAddress", lambda *a: asked.append(a))
+    _backend._bind_native()
+    assert _driver._native is None and asked == []
 
 
 class _Streamish:
@@ -194,15 +201,15 @@ class _Streamish:
 
 def test_more_streams_than_hardware_queues_turn_eager_markers_off(monkeypatch) -> None:
     monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(device_max_connections=2))
-    monkeypatch.setattr(cuda, "_device_queues", {})
+    monkeypatch.setattr(_stream, "_device_queues", {})
     a, b, c = _Streamish(), _Streamish(), _Streamish()
-    q = cuda._join_queues(0, a)
-    assert cuda._join_queues(0, b) is q
+    q = _stream._join_queues(0, a)
+    assert _stream._join_queues(0, b) is q
     assert q.limit == 2 and q.solo, "two streams, two queues: each has its own"
-    cuda._join_queues(0, c)
+    _stream._join_queues(0, c)
     assert not q.solo
     assert not (a._eager or b._eager or c._eager), "sharing queues ends every eager stream"
-    cuda._leave_queues(q, c)
+    _stream._leave_queues(q, c)
     assert q.solo
 
 
@@ -210,7 +217,7 @@ def test_more_streams_than_hardware_queues_turn_eager_markers_off(monkeypatch) -
 def test_the_queue_count_follows_the_drivers_variable(monkeypatch, value, limit) -> None:
     read = _config.read_device_max_connections({"CUDA_DEVICE_MAX_CONNECTIONS": value})
     monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(device_max_connections=read))
-    assert cuda._queue_limit() == limit
+    assert _stream._queue_limit() == limit
 
 
 # -- device buffers a stream keeps for its next allocation (``_SpareBuffers``) ----------------
@@ -219,18 +226,18 @@ def test_the_queue_count_follows_the_drivers_variable(monkeypatch, value, limit)
 # must keep the same rules.
 
 
-class _PySpare(cuda._SpareFields):
+class _PySpare(_memory._SpareFields):
     __slots__ = ()
-    kept = cuda._SpareBuffers.kept
-    free = cuda._SpareBuffers.free
+    kept = _memory._SpareBuffers.kept
+    free = _memory._SpareBuffers.free
 
 
 @pytest.fixture(params=["extension", "python"])
 def new_spare(request):
-    if request.param == "extension" and cuda._SpareBuffers.__mro__[1] is cuda._SpareFields:
+    if request.param == "extension" and _memory._SpareBuffers.__mro__[1] is _memory._SpareFields:
         pytest.skip("asyncgpu._native is not built")
-    cls = cuda._SpareBuffers if request.param == "extension" else _PySpare
-    return lambda: cls(cuda._SPARE_BYTES, cuda._SPARE_PER_SIZE)
+    cls = _memory._SpareBuffers if request.param == "extension" else _PySpare
+    return lambda: cls(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
 
 
 class _Buf:
@@ -264,26 +271,26 @@ def test_a_kept_allocation_goes_to_the_next_allocation_of_its_size_newest_first(
     assert spare.take(1024) is b
     assert spare.take(1024) is a
     assert spare.take(1024) is None
-    assert not spare.kept() and spare.room == cuda._SPARE_BYTES
+    assert not spare.kept() and spare.room == _memory._SPARE_BYTES
 
 
 def test_a_stream_keeps_at_most_four_of_a_size_and_64_mib_in_all(new_spare) -> None:
     spare = new_spare()
-    assert all(spare.keep(_Alloc(), 4096) for _ in range(cuda._SPARE_PER_SIZE))
+    assert all(spare.keep(_Alloc(), 4096) for _ in range(_memory._SPARE_PER_SIZE))
     assert not spare.keep(_Alloc(), 4096)
-    assert not spare.keep(_Alloc(), cuda._SPARE_BYTES)  # more than the room left
+    assert not spare.keep(_Alloc(), _memory._SPARE_BYTES)  # more than the room left
     assert spare.take(4096) is not None
-    assert spare.room == cuda._SPARE_BYTES - (cuda._SPARE_PER_SIZE - 1) * 4096
+    assert spare.room == _memory._SPARE_BYTES - (_memory._SPARE_PER_SIZE - 1) * 4096
 
 
 def test_a_stream_keeps_at_most_sixteen_sizes_and_nothing_of_size_zero(new_spare) -> None:
     spare = new_spare()
-    assert all(spare.keep(_Alloc(), 64 * (i + 1)) for i in range(cuda._SPARE_SIZES))
+    assert all(spare.keep(_Alloc(), 64 * (i + 1)) for i in range(_memory._SPARE_SIZES))
     assert not spare.keep(_Alloc(), 4096)  # a seventeenth size
     assert spare.take(64) is not None  # the size's last one: its row is free again
     assert spare.keep(_Alloc(), 4096)
     assert not spare.keep(_Alloc(), 0)
-    assert sorted(spare.bufs) == [64 * (i + 1) for i in range(1, cuda._SPARE_SIZES)] + [4096]
+    assert sorted(spare.bufs) == [64 * (i + 1) for i in range(1, _memory._SPARE_SIZES)] + [4096]
 
 
 def test_freeing_kept_allocations_frees_them_on_the_stream_and_a_closed_stream_keeps_none(
@@ -296,19 +303,19 @@ def test_freeing_kept_allocations_frees_them_on_the_stream_and_a_closed_stream_k
     stream = object()
     spare.free(stream, False)  # memory ran short: freed, and the stream goes on keeping
     assert [a.freed_on for a in allocs] == [stream] * 3
-    assert not spare.bufs and spare.room == cuda._SPARE_BYTES and not spare.closed
+    assert not spare.bufs and spare.room == _memory._SPARE_BYTES and not spare.closed
     assert spare.keep(_Alloc(), 256)
     spare.free(stream, True)  # the stream closes
     assert spare.closed
     assert not spare.keep(_Alloc(), 256) and not spare.bufs
-    assert spare.room == cuda._SPARE_BYTES
+    assert spare.room == _memory._SPARE_BYTES
 
 
 def test_without_the_extension_a_finalizer_that_runs_inside_take_does_not_deadlock() -> None:
     """A buffer's finalizer may run on a thread that already holds the lock (garbage
     collection inside ``take``): the Python fallback's lock is reentrant. (The C
     type runs no Python code inside take or keep: the GIL makes them atomic.)"""
-    spare = _PySpare(cuda._SPARE_BYTES, cuda._SPARE_PER_SIZE)
+    spare = _PySpare(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
     with spare.lock:
         assert spare.keep(_Alloc(), 64)
         assert spare.take(64) is not None
@@ -331,7 +338,7 @@ def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_on
 
     s = _Stream()
     kept = _Buf()
-    alloc = cuda._DeviceAlloc(_Backend(), kept, None, 512)
+    alloc = _memory._DeviceAlloc(_Backend(), kept, None, 512)
     alloc.release(s)
     # The allocation itself is kept (its cuda.core buffer still in it) and is what
     # the stream's next allocation of 512 bytes gets.
@@ -341,7 +348,7 @@ def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_on
     assert kept.freed_on == "stream" and alloc.buf is None
     s.is_closed = True
     late = _Buf()
-    cuda._DeviceAlloc(_Backend(), late, None, 512).release(s)
+    _memory._DeviceAlloc(_Backend(), late, None, 512).release(s)
     assert late.freed_on == "device default stream"  # its stream is gone
 
 
@@ -363,7 +370,7 @@ def test_an_abandoned_allocation_is_never_freed_even_when_its_last_reference_goe
     memory was allocated on, which may be destroyed."""
     buf = _Buf()
     before = sys.getrefcount(buf)
-    alloc = cuda._DeviceAlloc(_ClosingBackend(), buf, None, 512)
+    alloc = _memory._DeviceAlloc(_ClosingBackend(), buf, None, 512)
     alloc.abandon()
     del alloc
     assert sys.getrefcount(buf) == before + 1
@@ -378,7 +385,7 @@ def test_a_free_that_fails_abandons_the_buffer_rather_than_leave_it_to_cuda_core
 
     buf = _FailingBuf()
     before = sys.getrefcount(buf)
-    alloc = cuda._DeviceAlloc(_ClosingBackend(), buf, None, 512)
+    alloc = _memory._DeviceAlloc(_ClosingBackend(), buf, None, 512)
     with pytest.raises(RuntimeError, match="cuMemFreeAsync"):
         alloc.release(_ClosedStream())
     del alloc
@@ -416,15 +423,15 @@ def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> Non
             self.freed += 1
             return self.kept
 
-    spare = cuda._SpareBuffers(cuda._SPARE_BYTES, cuda._SPARE_PER_SIZE)
+    spare = _memory._SpareBuffers(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
     stream = type("S", (), {"spare": spare, "cs": "stream"})()
     b = _Backend(failures=1, kept=True)
-    alloc = cuda.CudaBackend.alloc_device(b, 4096, stream)
+    alloc = _backend.CudaBackend.alloc_device(b, 4096, stream)
     assert alloc.nbytes == 4096 and alloc.buf is not None and b.freed == 1
     for failures, kept in ((1, False), (2, True)):
         b = _Backend(failures, kept)
         with pytest.raises(DeviceError, match="allocating 4096 bytes"):
-            cuda.CudaBackend.alloc_device(b, 4096, stream)
+            _backend.CudaBackend.alloc_device(b, 4096, stream)
         assert b.freed == 1
 
 
@@ -448,22 +455,22 @@ class _FakeDriver:
 
     def cuEventCreate(self, flags: int) -> tuple[object, str]:
         self.created.append(f"event{len(self.created)}")
-        return cuda._SUCCESS, self.created[-1]
+        return _driver._SUCCESS, self.created[-1]
 
     def cuEventRecord(self, event: str, stream: object) -> tuple[object]:
         self.finished.discard(event)  # recorded again: not finished
-        return (cuda._SUCCESS,)
+        return (_driver._SUCCESS,)
 
     def cuEventQuery(self, event: str) -> tuple[object]:
-        return (cuda._SUCCESS if event in self.finished else cuda._NOT_READY,)
+        return (_driver._SUCCESS if event in self.finished else _driver._NOT_READY,)
 
     def cuStreamWaitEvent(self, stream: object, event: str, flags: int) -> tuple[object]:
         self.waits.append(("event", event))
-        return (cuda._SUCCESS,)
+        return (_driver._SUCCESS,)
 
     def cuStreamWaitValue64(self, stream, addr, value, flags) -> tuple[object]:
         self.waits.append(("counter", value))
-        return (cuda._SUCCESS,)
+        return (_driver._SUCCESS,)
 
 
 @pytest.fixture
@@ -471,11 +478,11 @@ def marked(monkeypatch):
     """A CudaStream's marker bookkeeping on a fake driver: ``written`` lists the
     counter markers, ``driver`` the rest."""
     driver = _FakeDriver()
-    monkeypatch.setattr(cuda, "cu", driver)
-    s = cuda.CudaStream.__new__(cuda.CudaStream)
+    monkeypatch.setattr(_stream, "cu", driver)
+    s = _stream.CudaStream.__new__(_stream.CudaStream)
     s._seq = s._marked = s._issued_mark = s._counter_mark = s._done_seq = 0
     s._events, s._pending, s._after_copy = None, None, False
-    s._copy_marks, s._free_events = cuda.deque(), []
+    s._copy_marks, s._free_events = _stream.deque(), []
     s._marker_lock = threading.Lock()
     s._counter = ctypes.c_uint64(0)
     s.raw, s.caddr = "stream", 0x1000
@@ -565,7 +572,7 @@ def test_a_wait_for_a_finished_copy_never_waits_on_a_counter_marker_held_back(ma
     s._place_marker()
     driver.finished.add("event0")
     s._completed_counter()
-    s._pending = cuda.deque()  # held behind host work from here on
+    s._pending = _stream.deque()  # held behind host work from here on
     _submit(s, copy=False)
     s._place_marker()
     assert written == [] and s._counter_mark > copy  # the counter marker is held back
@@ -591,7 +598,7 @@ def test_staged_copies_get_streams_made_by_the_enqueuing_thread_at_most_one_per_
         made.append(threading.current_thread().name)
         return f"kit{len(made)}"
 
-    kits = cuda._StageKits(make, limit=4)
+    kits = _memory._StageKits(make, limit=4)
     for _ in range(100):
         kits.reserve()  # the event loop enqueues 100 copies
     assert len(made) == 4 and set(made) == {threading.current_thread().name}
@@ -624,7 +631,7 @@ def test_staged_copies_get_streams_made_by_the_enqueuing_thread_at_most_one_per_
 def test_a_copy_that_finds_no_kit_yet_makes_one_rather_than_fail() -> None:
     """Another enqueuing thread may still be making the kit that the count
     already promised; the copy then makes its own."""
-    kits = cuda._StageKits(lambda: object(), limit=1)
+    kits = _memory._StageKits(lambda: object(), limit=1)
     kits._made = 1  # promised by a reserve() still running in another thread
     assert kits.take() is not None
 
@@ -636,7 +643,7 @@ def test_issue_waiters_are_called_once_a_marker_covers_them_lowest_first() -> No
     """Another stream's held wait (``_when_issued``) is called back by the drain
     that hands the driver a marker covering its operation: those covered, in the
     order of their operations (ties: first come first), the others kept."""
-    s = cuda.CudaStream.__new__(cuda.CudaStream)
+    s = _stream.CudaStream.__new__(_stream.CudaStream)
     s._submit_lock = threading.RLock()
     s._issue_waiters = []
     s._issued_mark = 2

@@ -28,7 +28,8 @@ import pytest
 from asyncgpu import DeviceBuffer, DeviceContext, DeviceEvent, DeviceFunction
 from asyncgpu._core.memory import _BufferBase
 from asyncgpu._core.state import _Ref
-from asyncgpu._devices.cuda import backend as cuda
+from asyncgpu._devices.cuda import memory as _memory
+from asyncgpu._devices.cuda import stream as _stream
 
 if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
     from asyncgpu import _native
@@ -65,7 +66,7 @@ class _Backend:
     def __init__(self) -> None:
         self.calls: list[tuple[int, Any]] = []
         self.error: BaseException | None = None
-        self.allocation: Any = lambda nbytes: cuda._DeviceAlloc(
+        self.allocation: Any = lambda nbytes: _memory._DeviceAlloc(
             None,  # type: ignore[arg-type]
             _CoreBuffer(0x9000_0000),
             None,
@@ -87,7 +88,7 @@ class Setup:
         self.driver = driver
         self.stream = Stream([])
         s = self.stream.s
-        s.spare = cuda._SpareBuffers(cuda._SPARE_BYTES, cuda._SPARE_PER_SIZE)
+        s.spare = _memory._SpareBuffers(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
         ctx = self.ctx = object.__new__(DeviceContext)
         self.backend = _Backend()
         ctx._state = SimpleNamespace(closed=False, trace=None, backend=self.backend)
@@ -109,7 +110,11 @@ class Setup:
 @pytest.fixture
 def setup(driver: Driver, monkeypatch: pytest.MonkeyPatch) -> Setup:
     _native.configure(
-        DeviceEvent, [].append, cuda._PolledStream.MARK_EVERY, cuda.CudaStream, cuda._DeviceAlloc
+        DeviceEvent,
+        [].append,
+        _stream._PolledStream.MARK_EVERY,
+        _stream.CudaStream,
+        _memory._DeviceAlloc,
     )
     st = Setup(driver)
 
@@ -125,7 +130,7 @@ def setup(driver: Driver, monkeypatch: pytest.MonkeyPatch) -> Setup:
     yield st
     from asyncgpu._core.engine import watcher
 
-    _native.configure(DeviceEvent, watcher.sweep_later, cuda._PolledStream.MARK_EVERY)
+    _native.configure(DeviceEvent, watcher.sweep_later, _stream._PolledStream.MARK_EVERY)
 
 
 # -- enqueue_function -------------------------------------------------------------------
@@ -258,8 +263,8 @@ class _CoreBuffer:
         self.closed_on = stream
 
 
-def _kept_alloc(setup: Setup, nbytes: int, handle: int = 0x7000_0000) -> cuda._DeviceAlloc:
-    alloc = cuda._DeviceAlloc(None, _CoreBuffer(handle), None, nbytes)  # type: ignore[arg-type]
+def _kept_alloc(setup: Setup, nbytes: int, handle: int = 0x7000_0000) -> _memory._DeviceAlloc:
+    alloc = _memory._DeviceAlloc(None, _CoreBuffer(handle), None, nbytes)  # type: ignore[arg-type]
     assert setup.stream.s.spare.keep(alloc, nbytes)
     return alloc
 
@@ -289,7 +294,7 @@ def test_a_buffer_on_kept_memory_is_what_the_python_method_would_make(
         None,
     )
     assert b._owner is setup.stream.s and b._ctx is setup.ctx
-    assert setup.stream.s.spare.room == cuda._SPARE_BYTES
+    assert setup.stream.s.spare.room == _memory._SPARE_BYTES
 
 
 def test_a_dropped_buffer_gives_its_memory_back_to_its_stream(
@@ -309,7 +314,7 @@ def test_a_buffer_its_stream_cannot_keep_goes_to_release_memory(
     for i in range(2):
         _kept_alloc(setup, 256, 0x1000 * (i + 1))
     bufs = [setup.ctx.enqueue_create_buffer(np.uint8, 256) for _ in range(2)]
-    for i in range(cuda._SPARE_PER_SIZE):
+    for i in range(_memory._SPARE_PER_SIZE):
         _kept_alloc(setup, 256, 0x9000 + 0x1000 * i)  # as many of this size as it keeps
     first = bufs[0]._alloc
     del bufs[0]
@@ -425,7 +430,7 @@ def test_kept_memory_of_another_kind_or_address_is_left_to_the_python_method(
     else a stream keeps stays kept, for the Python method to hand out."""
     spare = setup.stream.s.spare
     other = SimpleNamespace(ptr=0x5000)
-    no_address = cuda._DeviceAlloc(None, None, None, 256)  # type: ignore[arg-type]
+    no_address = _memory._DeviceAlloc(None, None, None, 256)  # type: ignore[arg-type]
     assert spare.keep(other, 128) and spare.keep(no_address, 256)
     assert setup.ctx.enqueue_create_buffer(np.uint8, 128) == "general"
     assert setup.ctx.enqueue_create_buffer(np.uint8, 256) == "general"
@@ -530,5 +535,5 @@ def test_a_thread_waiting_for_the_rlock_takes_it_once_the_holder_lets_go() -> No
 
 
 def test_a_stream_s_locks_are_the_extension_s() -> None:
-    assert type(cuda._accel.hot_lock()) is _native.RLock
+    assert type(_stream._accel.hot_lock()) is _native.RLock
     gc.collect()

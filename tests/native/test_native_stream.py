@@ -31,7 +31,8 @@ import numpy as np
 import pytest
 
 from asyncgpu import DeviceError, DeviceEvent
-from asyncgpu._devices.cuda import backend as cuda
+from asyncgpu._devices.cuda import launch as _launch
+from asyncgpu._devices.cuda import stream as _stream
 
 if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
     from asyncgpu import _native
@@ -50,7 +51,7 @@ class _Function:
     """What CudaStream.launch reads of a DeviceFunction, its compiled code, its
     launch configuration."""
 
-    def __init__(self, plan: cuda._ArgPlan | None) -> None:
+    def __init__(self, plan: _launch._ArgPlan | None) -> None:
         self._impl = self
         self.last, self.handle, self.dims = plan, 0xF00, DIMS
 
@@ -62,7 +63,7 @@ class Stream:
     its methods)."""
 
     def __init__(self, sweeps: list[Any], queue: Any = None) -> None:
-        s = self.s = cuda.CudaStream.__new__(cuda.CudaStream)
+        s = self.s = _stream.CudaStream.__new__(_stream.CudaStream)
         s._seq = s._marked = s._awaited = s._issued_mark = s._counter_mark = s._done_seq = 0
         s._eager = s._after_copy = False
         s._touched = False
@@ -87,15 +88,15 @@ class Stream:
         s._launch = lambda *a: None  # the general path: "handed back"
         self.sweeps = sweeps
 
-    def plan(self, args: tuple[Any, ...], codes: bytes) -> cuda._ArgPlan:
+    def plan(self, args: tuple[Any, ...], codes: bytes) -> _launch._ArgPlan:
         import struct
 
-        plan = cuda._ArgPlan((), struct.Struct("<" + "Q" * len(args)), tuple(map(type, args)))
+        plan = _launch._ArgPlan((), struct.Struct("<" + "Q" * len(args)), tuple(map(type, args)))
         plan.codes = codes
-        self.s._param_mem[plan] = cuda._ParamMemory(8 * len(args))
+        self.s._param_mem[plan] = _launch._ParamMemory(8 * len(args))
         return plan
 
-    def launch(self, plan: cuda._ArgPlan, args: tuple[Any, ...]) -> DeviceEvent | None:
+    def launch(self, plan: _launch._ArgPlan, args: tuple[Any, ...]) -> DeviceEvent | None:
         """``CudaStream.launch``; None where it handed the launch to ``_launch``."""
         f = _Function(plan)
         return self.s.launch(f, args, f, ())
@@ -116,7 +117,7 @@ def stream(driver: Driver, request: pytest.FixtureRequest) -> Iterator[Stream]:
     finally:
         from asyncgpu._core.engine import watcher
 
-        _native.configure(DeviceEvent, watcher.sweep_later, cuda._PolledStream.MARK_EVERY)
+        _native.configure(DeviceEvent, watcher.sweep_later, _stream._PolledStream.MARK_EVERY)
 
 
 ARGS = (np.float32(1.5), Buf(0x7F00_0000_1000), np.int32(7))
@@ -152,7 +153,7 @@ class _Kernel(_native.KernelCore):
     """A compiled function as ``_cuda._CudaFunction`` is one: its last plan in
     ``KernelCore``'s C field, read without an attribute lookup."""
 
-    def __init__(self, plan: cuda._ArgPlan | None) -> None:
+    def __init__(self, plan: _launch._ArgPlan | None) -> None:
         self._impl = self
         self.last, self.handle, self.dims = plan, 0xF00, DIMS
 
@@ -163,7 +164,7 @@ def test_the_last_plan_of_a_compiled_function_is_read_from_its_c_field(
     driver.nargs = 3
     plan = stream.plan(ARGS, CODES)
     f = _Kernel(plan)
-    assert issubclass(cuda._CudaFunction, _native.KernelCore)
+    assert issubclass(_launch._CudaFunction, _native.KernelCore)
     ev = stream.s.launch(f, ARGS, f, ())
     assert type(ev) is DeviceEvent and len(driver.launches) == 1
     f.last = None  # no plan yet: the general path (here: handed back)
@@ -320,7 +321,7 @@ def test_a_blocking_wait_between_awaits_keeps_the_stream_eager(
     blocked = stream.launch(plan, ARGS)  # marked at once: the stream is eager
     assert blocked is not None and markers(driver) == [1, 2]
     stream.counter.value = 2
-    cuda._PolledStream._block(stream.s, blocked)  # as ``blocked.synchronize()`` waits
+    _stream._PolledStream._block(stream.s, blocked)  # as ``blocked.synchronize()`` waits
     del awaited, blocked
     stream.launch(plan, ARGS)  # the last operation was waited for: still eager
     assert stream.s._eager is True and markers(driver) == [1, 2, 3]
@@ -331,7 +332,7 @@ def test_a_blocking_wait_does_not_make_a_lazy_stream_eager(stream: Stream, drive
     ev = stream.launch(plan, ARGS)
     stream.counter.value = 1
     assert ev is not None and markers(driver) == []
-    cuda._PolledStream._block(stream.s, ev)  # its marker is placed when it blocks
+    _stream._PolledStream._block(stream.s, ev)  # its marker is placed when it blocks
     assert markers(driver) == [1] and ev._done and stream.s._eager is False
     del ev
     stream.launch(plan, ARGS)

@@ -1,0 +1,254 @@
+"""Kernels of the CUDA device and what their launches pass.
+
+* ``_CudaFunction``: a loaded kernel (cuda.core's ``ObjectCode.get_kernel``: a
+  ``CUkernel`` of a library, and the ``CUfunction`` that ``cuLaunchKernel``
+  takes), with its parameter sizes read from its PTX (``_ptx_param_sizes``; the
+  driver is not asked, which can block while a stream is held back for host
+  work) and its argument plans; ``_KernelFields`` is what the C launch reads.
+* ``_LaunchCfg``: a validated launch geometry.
+* Argument plans: per tuple of argument types, which positions become device
+  addresses and how the arguments pack into the 8-byte slots that
+  ``cuLaunchKernel`` reads (``_ArgPlan``, ``_arg_plan``, ``_kernel_args``,
+  ``_PACK_CODES``), and a stream's parameter memory for one plan
+  (``_ParamMemory``).
+
+The launches themselves are the stream's (``stream.CudaStream._launch``:
+``cuLaunchKernel`` through ``_cuLaunchKernel``, or cuda.core's ``launch``) and
+the backend's (``launch_raw``: ``cuLaunchKernelEx``); each enqueues the kernel
+and returns without waiting for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from ... import _accel
+from ..._core.function import reject_python_scalar
+from ..._core.memory import DeviceBuffer, HostBuffer
+from . import driver as _driver
+
+if TYPE_CHECKING:
+    from ..._core.state import _ContextState
+
+_SHMEM_DEFAULT_LIMIT = 48 * 1024
+
+
+class _KernelFields:
+    """The field of a ``_CudaFunction`` that every launch reads: the argument plan
+    of its last launch (in ``asyncgpu._native.KernelCore`` where the extension is
+    built, which the C launch reads directly)."""
+
+    __slots__ = ("last",)
+
+
+if TYPE_CHECKING:
+    _KernelBase = _KernelFields
+else:
+    _KernelBase = _accel.c_base("KernelCore", _KernelFields)
+
+
+class _CudaFunction(_KernelBase):
+    """The loaded kernel and what is cached for launching it."""
+
+    __slots__ = (
+        "fn",
+        "handle",
+        "kernel",
+        "library",
+        "name",
+        "param_sizes",
+        "plans",
+        "raw",
+        "shmem_optin",
+    )
+
+    def __init__(self, objcode: Any, name: str, ptx: str | None = None) -> None:
+        self.library = objcode
+        self.kernel = objcode.get_kernel(name)
+        self.name = name
+        self.raw = cu.CUkernel(int(self.kernel.handle))
+        self.fn = cu.CUfunction(int(self.kernel.handle))  # what cuLaunchKernel takes
+        self.handle = int(self.kernel.handle)
+        # The signature comes from the PTX, not from the driver: asking the driver
+        # (cuda.core's Kernel.arguments_info) can block while a stream of the
+        # context is held back for host work.
+        self.param_sizes: tuple[int, ...] | None = _ptx_param_sizes(ptx, name) if ptx else None
+        self.plans: dict[tuple[type, ...], _ArgPlan] = {}
+        self.last: _ArgPlan | None = None  # the plan of the last launch (the fast path's)
+        self.shmem_optin = _SHMEM_DEFAULT_LIMIT
+
+
+_PTX_TYPE = re.compile(r"\.(?:b|s|u|f)(8|16|32|64)\b")
+
+
+def _ptx_param_sizes(ptx: str, name: str) -> tuple[int, ...] | None:
+    """Byte sizes of the parameters of ``.entry name`` in PTX text (None if the
+    entry or a parameter's type cannot be read)."""
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
+    if m is None:
+        return () if re.search(r"\.entry\s+" + re.escape(name) + r"\b", ptx) else None
+    sizes = []
+    for decl in m.group(1).split(","):
+        decl = decl.strip()
+        if not decl:
+            continue
+        t = _PTX_TYPE.search(decl)
+        if t is None:
+            return None
+        count = re.search(r"\[(\d+)\]", decl)
+        sizes.append(int(t.group(1)) // 8 * (int(count.group(1)) if count else 1))
+    return tuple(sizes)
+
+
+class _LaunchCfg:
+    """A validated launch geometry: cuda.core's LaunchConfig, and for plain
+    launches (no cluster, cooperation or priority) the seven numbers
+    ``cuLaunchKernel`` takes."""
+
+    __slots__ = ("cc", "coop", "dims", "priority")
+
+    def __init__(
+        self, cc: Any, coop: bool, priority: int | None, dims: tuple[int, ...] | None = None
+    ) -> None:
+        self.cc = cc
+        self.coop = coop
+        self.priority = priority
+        self.dims = dims
+
+
+class _ArgPlan:
+    """How one tuple of argument types is passed to one kernel: the positions to
+    convert (``_BUFFER``: a buffer's address; ``_CAI``: the address in a
+    ``__cuda_array_interface__``), whether any is another library's array, and,
+    when every parameter is a scalar or pointer of at most 8 bytes whose size the
+    signature confirms, a ``struct`` packer that lays the arguments out 8 bytes
+    apart for ``cuLaunchKernel``. ``types`` and ``codes`` are what ``_native``
+    packs by (None where it cannot: another library's arrays, float16, bool)."""
+
+    __slots__ = ("codes", "conv", "foreign", "packer", "types")
+
+    def __init__(
+        self,
+        conv: tuple[tuple[int, int], ...],
+        packer: struct.Struct | None,
+        types: tuple[type, ...] = (),
+        codes: bytes | None = None,
+    ) -> None:
+        self.conv = conv
+        self.foreign = any(kind == _CAI for _, kind in conv)
+        self.packer = packer
+        self.types = types
+        self.codes = codes if _driver._native is not None and packer is not None else None
+
+
+_BUFFER, _CAI = 0, 1
+# struct codes of NumPy scalar kinds and sizes (little-endian, no padding: '<').
+_PACK_CODES = {
+    ("f", 2): "e", ("f", 4): "f", ("f", 8): "d", ("b", 1): "?",
+    ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
+    ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q",
+}  # fmt: skip
+
+
+class _ParamMemory:
+    """A stream's parameter memory for one plan: 8 bytes per argument and the
+    array of pointers to them that ``cuLaunchKernel`` reads (used under the
+    stream's submit lock; the driver copies the values during the call)."""
+
+    __slots__ = ("_ptrs", "addr", "data", "pointers")
+
+    def __init__(self, nbytes: int) -> None:
+        n = max(nbytes // 8, 1)
+        self.data = (ctypes.c_uint64 * n)()
+        base = self.addr = ctypes.addressof(self.data)
+        self._ptrs = (ctypes.c_uint64 * n)(*(base + 8 * i for i in range(n)))
+        self.pointers = ctypes.addressof(self._ptrs) if nbytes else 0
+
+
+_cuLaunchKernel = cu.cuLaunchKernel
+
+
+def _kernel_args(
+    impl: _CudaFunction, args: tuple[Any, ...], state: _ContextState
+) -> tuple[Sequence[Any], _ArgPlan]:
+    """The launch arguments: buffers become their addresses. What each position
+    needs is worked out, and the kernel's signature checked, once per tuple of
+    argument types (``_arg_plan``); a repeat costs a dictionary lookup."""
+    key = tuple(map(type, args))
+    plan = impl.plans.get(key)
+    if plan is None:
+        plan = impl.plans[key] = _arg_plan(impl, args)
+    impl.last = plan
+    if not plan.conv:
+        return args, plan
+    out = list(args)
+    for i, kind in plan.conv:
+        a = out[i]
+        if kind == _BUFFER:
+            if a._alloc is None or a._ctx._state.closed:
+                a._check()
+            out[i] = a._ptr
+        else:
+            out[i] = int(a.__cuda_array_interface__["data"][0])
+    return out, plan
+
+
+def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
+    """Validate one tuple of argument types and plan how to pass it."""
+    conv: list[tuple[int, int]] = []
+    sizes: list[int] = []
+    codes: list[str] | None = []
+    native: bytes | None = b""
+    for n, a in enumerate(args):
+        t = type(a)
+        if t is DeviceBuffer or t is HostBuffer:
+            conv.append((n, _BUFFER))
+            sizes.append(8)
+            code: str | None = "Q"
+            native_code: bytes | None = b"P"
+        elif isinstance(a, np.generic):
+            sizes.append(a.dtype.itemsize)
+            code = _PACK_CODES.get((a.dtype.kind, a.dtype.itemsize))
+            native_code = code.encode() if code is not None and code in "fdbhiqBHIQ" else None
+        elif t in (int, float, bool, complex):
+            reject_python_scalar(n, a)
+        elif isinstance(a, np.ndarray):
+            raise TypeError(
+                f"kernel argument {n} is a NumPy array in pageable host memory; copy it "
+                "into a DeviceBuffer or HostBuffer first"
+            )
+        elif getattr(a, "__cuda_array_interface__", None) is not None:
+            conv.append((n, _CAI))
+            sizes.append(8)
+            code = "Q"
+            native_code = None
+        elif hasattr(a, "handle") and t.__module__.startswith("cuda.core"):
+            sizes.append(8)
+            code = native_code = None  # cuda.core's launch knows its own objects
+        else:
+            raise TypeError(f"kernel argument {n} of type {t.__name__} is not supported")
+        native = None if native is None or native_code is None else native + native_code
+        if codes is not None:
+            if code is None:
+                codes = None
+            else:
+                codes.append(code + (f"{8 - sizes[-1]}x" if sizes[-1] < 8 else ""))
+    want = impl.param_sizes
+    if want is not None:
+        if len(args) != len(want):
+            raise TypeError(f"kernel {impl.name} takes {len(want)} arguments, {len(args)} given")
+        for n, (got, w) in enumerate(zip(sizes, want, strict=True)):
+            if got != w:
+                raise TypeError(
+                    f"kernel {impl.name} argument {n} is {w} bytes, but "
+                    f"{type(args[n]).__name__} is {got} bytes"
+                )
+    packer = struct.Struct("<" + "".join(codes)) if codes is not None and want is not None else None
+    return _ArgPlan(tuple(conv), packer, tuple(map(type, args)), native)

@@ -1,0 +1,854 @@
+"""A CUDA stream (``CudaStream``): submission, completion markers, waits
+between streams, host work on a stream, faults.
+
+Completion: every stream owns a 64-bit counter in host-mapped pinned memory.
+After an operation the stream writes the operation's sequence number into it
+(``cuStreamWriteValue64``), so the host learns that work finished by reading
+plain memory (see ``_engine``). Cross-stream and cross-device waits wait on the
+same counters on the device (``cuStreamWaitValue64``). The exception is a
+marker right after a copy or memset: that one is a recorded driver event
+(``cuEventRecord``), queried by the host and waited on with
+``cuStreamWaitEvent``: a counter write there has a memory fence that seems to
+wait for the copy engine, which takes away part of the overlap of copies and
+kernels on several streams. Host work on a stream
+(CPU functions, CPU ranges, pageable copies) runs on the CPU pool once the
+stream reaches it; what is enqueued behind it is held on the host and handed
+to the driver when it finishes (``_PolledStream``'s held submission), so no
+stream waits on the device for memory that only the host writes. Streams
+wrapped from other libraries are the exception: their owner's work must wait
+too, so they wait on the device on a second counter the pool thread writes.
+
+A stream is made with ``cuStreamCreateWithPriority`` (or wraps another
+library's handle), counted among its device's hardware queues
+(``_join_queues``) and destroyed at ``close`` (``cuStreamDestroy``). Only
+``synchronize`` and a blocking wait for an event (``_block``) wait in the
+driver (``cuStreamSynchronize``, ``cuEventSynchronize``); the other driver
+calls here enqueue and return.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+from cuda.bindings import driver as cu
+from cuda.core import launch as _launch
+
+from ... import _accel, _config
+from ..._core import foreign as _interop
+from ..._core.engine import watcher
+from ..._core.event import DeviceEvent, _UserEvent
+from ..._core.function import DeviceFunction
+from ..._core.memory import HostBuffer
+from ..._core.pool import cpu_pool, fan_out, host_work, range_work, waiting_for
+from ..._core.stream import _Gate, _HardwareQueues, _HostResult, _PolledStream, _StreamImpl
+from ..._errors import DeviceFaultError, UnsupportedError
+from . import driver as _driver
+from .driver import (
+    _GEQ,
+    _NOT_READY,
+    _STICKY,
+    _SUCCESS,
+    _check,
+    _error,
+    _memcpy,
+    _memset,
+    _record,
+    _wait_event_once,
+    _write_bindings,
+    _write_counter,
+)
+from .launch import _ArgPlan, _CudaFunction, _cuLaunchKernel, _kernel_args, _LaunchCfg, _ParamMemory
+from .memory import (
+    _SPARE_BYTES,
+    _SPARE_PER_SIZE,
+    _Device,
+    _free_spare,
+    _pinned,
+    _slab,
+    _SpareBuffers,
+    _StageKits,
+)
+
+if TYPE_CHECKING:
+    from ..._core.state import _ContextState
+    from ..._types import ConstantMemoryMapping
+
+__all__ = ["CudaStream"]
+
+
+class _StreamDevice(_Device, Protocol):
+    """What a stream needs of its device (``backend.CudaBackend``, a module above)."""
+
+    completion: str
+    _stage_kits: _StageKits
+    _free_stamps: list[Any]
+
+    def write_constants(
+        self, impl: _CudaFunction, mappings: Sequence[ConstantMemoryMapping], stream: CudaStream
+    ) -> None: ...
+
+    def launch_raw(
+        self, stream: CudaStream, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any]
+    ) -> None: ...
+
+    def stage_chunks(self, nbytes: int) -> list[Any]: ...
+
+    def staged_copy(
+        self, dst: Any, src: Any, nbytes: int, to_device: bool, chunks: list[Any] | None
+    ) -> None: ...
+
+    def new_stamp(self) -> Any: ...
+
+
+def _kernel_markers() -> str:
+    """What follows an eager launch on the C fast path (docs/completion.md): a
+    write of the completion counter ("counter", the default) or a driver event
+    ("event"), from ASYNCGPU_KERNEL_MARKERS (``_config``). The event costs the
+    host less to place (``cuEventRecord`` against ``cuStreamWriteValue64``) but
+    more to learn finished (a locked ``cuEventQuery`` per poll against a plain
+    memory read), and an await polls more often than it places, so the counter
+    is the default (see the performance page)."""
+    return _config.SETTINGS.kernel_markers
+
+
+# -- the driver's hardware queues ----------------------------------------------------------
+
+_queues_lock = threading.Lock()
+_device_queues: dict[int, _HardwareQueues] = {}
+
+
+def _queue_limit() -> int:
+    """Hardware queues the driver gives one device's streams:
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` (1..32), else the driver's default of 8."""
+    return _config.SETTINGS.device_max_connections
+
+
+def _join_queues(device_id: int, stream: CudaStream) -> _HardwareQueues:
+    """Count ``stream`` among the live streams of its device. Once there are more
+    than hardware queues, some streams share a queue, and no stream of the device
+    places eager markers any more (``_PolledStream._need``)."""
+    with _queues_lock:
+        q = _device_queues.get(device_id)
+        if q is None:
+            q = _device_queues[device_id] = _HardwareQueues(_queue_limit())
+            q.streams = weakref.WeakSet()
+        q.streams.add(stream)
+        if q.solo and len(q.streams) > q.limit:
+            q.solo = False
+            for s in list(q.streams):
+                s._eager = False
+    return q
+
+
+def _leave_queues(q: _HardwareQueues, stream: CudaStream) -> None:
+    with _queues_lock:
+        q.streams.discard(stream)
+        q.solo = len(q.streams) <= q.limit
+
+
+class CudaStream(_PolledStream):
+    """A CUDA stream with a completion counter and a host-work counter."""
+
+    def __init__(
+        self,
+        state: _ContextState,
+        index: int,
+        priority: int,
+        backend: _StreamDevice,
+        external: int | None = None,
+        external_owner: Any = None,
+    ) -> None:
+        super().__init__(state, index, priority)
+        from cuda.core import Stream
+
+        self.backend = backend
+        backend.make_current()
+        if external is None:
+            flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+            raw = _check(cu.cuStreamCreateWithPriority(flags, priority), "cuStreamCreate")
+            self.owned = True
+        else:
+            raw = cu.CUstream(external)
+            self.owned = False
+            self.priority = int(_check(cu.cuStreamGetPriority(raw), "cuStreamGetPriority"))
+        self.raw = raw
+        self.h = int(raw)
+        self._queues = _join_queues(state.device_id, self)
+        self.cs = Stream.from_handle(self.h)
+        self.caddr = _slab.take()
+        self.saddr = _slab.take()
+        self._counter = ctypes.c_uint64.from_address(self.caddr)
+        self._counter_in_c = True  # the C fast path may read the counter at caddr
+        # The marker right after an eager launch: the counter write, or a driver
+        # event recorded in C with ASYNCGPU_KERNEL_MARKERS=event (_kernel_markers).
+        self._kernel_event_markers = _kernel_markers() == "event"
+        self._hostsig = ctypes.c_uint64.from_address(self.saddr)
+        self._marker_lock = _accel.hot_lock()
+        self._free_events: list[Any] = []
+        self._done_seq = 0  # the last marker event seen finished
+        # Counter completion: the markers placed right after a copy or memset are
+        # driver events all the same, (seq, CUevent) in order (see the module doc).
+        self._copy_marks: deque[tuple[int, Any]] = deque()
+        self._after_copy = False  # the last operation submitted was a copy or memset
+        self._counter_mark = 0  # the last sequence number a counter marker covers
+        if backend.completion == "event":
+            self._events: deque[tuple[int, Any]] | None = deque()
+            self._completed_slow = self._completed_events
+        else:
+            self._events = None
+            self._completed_slow = self._completed_counter
+        # In C where the extension is built (the counter read there), else the above.
+        self._completed = getattr(self, "_completed_fast", self._completed_slow)  # type: ignore[method-assign]
+        self._host_ops = 0
+        # Per plan, the memory its launches pack into. An entry is made once and
+        # never replaced: the extension's launch keeps the last one it found.
+        self._param_mem: dict[_ArgPlan, _ParamMemory] = {}
+        native = _driver._native
+        if native is not None:
+            self._write_marker: Callable[[int], Any] = partial(native.write64, self.h, self.caddr)
+        else:
+            self._write_marker = partial(_write_bindings, raw, self.caddr)
+        self.external_owner = external_owner
+        self.is_closed = False
+        self.label = f"cuda:{state.device_id}/s{index}"
+        self.spare = _SpareBuffers(_SPARE_BYTES, _SPARE_PER_SIZE)
+        # Kept buffers are freed on this stream while it lives: at close, or at
+        # interpreter exit (before cuda.core's teardown) if it is never closed.
+        self._free_spare = weakref.finalize(self, _free_spare, self.spare, backend, self.cs)
+
+    def handle(self) -> int:
+        return self.h
+
+    def point(self) -> DeviceEvent | None:
+        if self.owned:
+            return self.tail()
+        # A wrapped stream: its owner's work is invisible to tail(), so an empty
+        # operation of ours now stands for it too.
+        return _interop._fence(self)
+
+    # -- the hot path ------------------------------------------------------------------
+
+    def _mark(self, keep: Any) -> DeviceEvent:
+        """The event of the operation just submitted (call with ``_submit_lock``
+        held, after ``_before_submit`` and the driver call)."""
+        seq = self._seq = self._seq + 1
+        ev = DeviceEvent(self, seq, keep)
+        self._inflight.append(ev)
+        if self._eager:
+            self._place_marker()
+        return ev
+
+    # -- markers: a counter the GPU writes, or driver events -----------------------------
+
+    def _place_marker(self, counter: bool = False) -> None:
+        """A marker for everything submitted so far: the counter, or a driver event
+        after a copy or memset (``counter`` forces the counter, which other
+        streams can wait on with ``cuStreamWaitValue64``)."""
+        seq = self._seq
+        event = self._events is not None or (self._after_copy and not counter)
+        if not event:
+            self._counter_mark = seq
+        if self._pending is not None:
+            self._pending.append((0, partial(self._issue_marker, seq, event)))
+        elif not event:
+            err = self._write_marker(seq)
+            if err:
+                raise _error(err, "cuStreamWriteValue64")
+            self._issued_mark = seq
+        else:
+            self._issue_marker(seq, True)
+        self._marked = seq
+
+    def _issue_marker(self, seq: int, event: bool) -> None:
+        if not event:
+            err = self._write_marker(seq)
+            if err:
+                raise _error(err, "cuStreamWriteValue64")
+        else:
+            marks = self._events if self._events is not None else self._copy_marks
+            with self._marker_lock:
+                free = self._free_events
+                e = free.pop() if free else self._new_marker_event()
+                err = cu.cuEventRecord(e, self.raw)[0]
+                if err != _SUCCESS:
+                    free.append(e)
+                    raise _error(err, "cuEventRecord")
+                marks.append((seq, e))
+        self._issued_mark = seq
+
+    def _new_marker_event(self) -> Any:
+        """A new driver event for a marker. Any thread may place a marker (the
+        watcher does for idle streams), and creating an event needs the context
+        current."""
+        self.backend.make_current()
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        return _check(cu.cuEventCreate(flags), "cuEventCreate")
+
+    def _driver_error(self, err: int, what: str) -> None:
+        """Raise the error of a driver call the C fast path made."""
+        raise _error(err, what)
+
+    def _drain_prepare(self) -> None:
+        self.backend.make_current()
+
+    def _completed_counter(self) -> int:
+        c = self._counter.value
+        if self._copy_marks:
+            self._query_copy_marks(c)
+        d = self._done_seq
+        return d if d > c else c
+
+    def _query_copy_marks(self, counter: int) -> None:
+        """Retire the copy markers that finished (in order), or that the counter
+        has passed, into ``_done_seq``; their events are reused."""
+        ms = self._copy_marks
+        with self._marker_lock:
+            while ms and (ms[0][0] <= counter or cu.cuEventQuery(ms[0][1])[0] == _SUCCESS):
+                seq, e = ms.popleft()
+                if seq > self._done_seq:
+                    self._done_seq = seq
+                self._free_events.append(e)
+
+    def _completed_events(self) -> int:
+        ms = self._events
+        if ms:
+            with self._marker_lock:
+                if ms:
+                    seq, e = ms[-1]
+                    if cu.cuEventQuery(e)[0] == _SUCCESS:
+                        self._done_seq = seq
+                        self._free_events.extend(x[1] for x in ms)
+                        ms.clear()
+                    else:
+                        while ms and cu.cuEventQuery(ms[0][1])[0] == _SUCCESS:
+                            seq, e = ms.popleft()
+                            self._done_seq = seq
+                            self._free_events.append(e)
+        return self._done_seq
+
+    def _device_wait_for(self, waiter: Any, seq: int) -> None:
+        """Make the stream ``waiter`` wait, on the device, until this stream has
+        finished ``seq`` (a marker covering it has been issued): on the counter when
+        a counter marker comes first at or after ``seq``, else on the marker event
+        (``cuStreamWaitEvent``), under ``_marker_lock`` so that a finished event is
+        not recorded again before the wait is placed. Never blocks the host."""
+        with self._marker_lock:
+            for s, e in self._events if self._events is not None else self._copy_marks:
+                if s >= seq:
+                    if self._events is None and seq <= self._counter_mark < s:
+                        break  # a counter marker comes first
+                    _check(cu.cuStreamWaitEvent(waiter, e, 0), "cuStreamWaitEvent")
+                    return
+            else:
+                # No marker event at or after ``seq`` is left: either its event
+                # finished and was taken back (nothing to wait for; the next counter
+                # marker may still be held back behind host work, so never wait on
+                # the counter then), or a counter marker covers ``seq``.
+                if self._events is not None or self._done_seq >= seq or self._counter.value >= seq:
+                    return
+        _check(cu.cuStreamWaitValue64(waiter, self.caddr, seq, _GEQ), "cuStreamWaitValue64")
+
+    def _prune(self) -> None:
+        """Retire what has finished (releasing what it kept alive) and have the
+        watcher sweep this stream later."""
+        inflight = self._inflight
+        # Counters cost a memory read; driver events a query, so check those rarely.
+        if (
+            inflight
+            and (self._events is None or len(inflight) >= 64)
+            and inflight[0]._seq <= self._completed()
+        ):
+            self._retire()
+        if not self._touched:
+            self._touched = True
+            watcher.sweep_later(self)
+
+    def launch(
+        self,
+        fn: DeviceFunction,
+        args: tuple[Any, ...],
+        cfg: Any,
+        constant_memory: Sequence[ConstantMemoryMapping],
+    ) -> DeviceEvent:
+        """Launch ``fn``: through ``_launch`` here, where the C extension is not
+        built. With it, this is ``StreamCore._launch_c``: the function's last plan
+        checked, packed and launched in one C call (under the submit lock, the
+        marker rules of ``_before_submit``, ``cuLaunchKernel`` with the counter
+        marker when the stream is eager, the event, then ``_prune``), and
+        ``_launch`` for every launch it cannot take."""
+        return self._launch(fn, fn._impl, args, cfg, constant_memory)
+
+    if not TYPE_CHECKING and _accel.native is not None:
+        launch = _accel.native.StreamCore._launch_c  # (the docstring above)
+
+    def _launch_failed(self, err: int, seq: int, args: tuple[Any, ...]) -> None:
+        if err < _accel.native.MARKER_FAILED:
+            raise _error(err, "cuLaunchKernel")
+        self._seq = seq  # the kernel went in; its marker did not
+        self._after_copy = False
+        self._inflight.append(DeviceEvent(self, seq, args))
+        raise _error(err - _accel.native.MARKER_FAILED, "cuStreamWriteValue64")
+
+    def _launch(
+        self,
+        fn: DeviceFunction,
+        impl: _CudaFunction | None,
+        args: tuple[Any, ...],
+        cfg: Any,
+        constant_memory: Sequence[ConstantMemoryMapping],
+    ) -> DeviceEvent:
+        """Every launch the fast path does not take."""
+        if impl is None:
+            raise UnsupportedError(f"{fn!r} was released")
+        kargs, plan = _kernel_args(impl, args, self.state)
+        if constant_memory:
+            self.backend.write_constants(impl, constant_memory, self)
+        if plan.foreign and self._pending is not None:
+            self._settle()  # the other library's stream will wait for this launch
+        with self._submit_lock:
+            self._before_submit()
+            # Arrays of other libraries (CuPy, PyTorch): order the launch after
+            # their producer stream, and that stream after the launch.
+            waits = _interop.launch_streams(self, args) if plan.foreign else ()
+            if self._pending is not None:
+                self._pending.append((self._seq + 1, partial(self._launch_now, impl, cfg, kargs)))
+            elif cfg.dims is not None and plan.packer is not None:
+                # The fast path: the arguments packed into this stream's parameter
+                # memory for the plan (the driver copies them at the call).
+                mem = self._param_mem.get(plan)
+                if mem is None:
+                    mem = self._param_mem[plan] = _ParamMemory(plan.packer.size)
+                plan.packer.pack_into(mem.data, 0, *kargs)
+                err = _cuLaunchKernel(impl.fn, *cfg.dims, self.raw, mem.pointers, 0)[0]
+                if err != _SUCCESS:
+                    raise _error(err, "cuLaunchKernel")
+            else:
+                self._launch_now(impl, cfg, kargs)
+            self._after_copy = False
+            ev = self._mark(args)
+            if waits:
+                _interop.launch_done(self, waits)
+        self._prune()
+        return ev
+
+    def _launch_now(self, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any]) -> None:
+        """A launch through cuda.core (or ``cuLaunchKernelEx`` for a priority)."""
+        if cfg.priority is None:
+            _launch(self.cs, cfg.cc, impl.kernel, *kargs)
+        else:
+            self.backend.launch_raw(self, impl, cfg, kargs)
+
+    def copy(self, dst: Any, src: Any, nbytes: int, keep: Any) -> DeviceEvent:
+        if nbytes and (dst._kind == "pageable" or src._kind == "pageable"):
+            return self._staged_copy(dst, src, nbytes, keep)
+        with self._submit_lock:
+            self._before_submit()
+            if nbytes:
+                self._issue(self._seq + 1, _memcpy, dst._ptr, src._ptr, nbytes, self.raw)
+                self._after_copy = True
+            ev = self._mark(keep)
+        self._prune()
+        return ev
+
+    def memset(self, dst: Any, value: np.generic, count: int, keep: Any) -> DeviceEvent:
+        self._prune()
+        if isinstance(dst, HostBuffer):
+            assert dst._hostbytes is not None
+            view = dst._hostbytes.view(value.dtype)
+
+            def fill(finish: Callable[[Any, BaseException | None], None]) -> None:
+                view[...] = value
+                finish(None, None)
+
+            return self._host_op(_in_pool(fill), keep)
+        size = value.dtype.itemsize
+        bits = int(value.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]))
+        with self._submit_lock:
+            self._before_submit()
+            if count:
+                self._issue(self._seq + 1, _memset, dst._ptr, size, bits, count, self.raw)
+                self._after_copy = True
+            return self._mark(keep)
+
+    def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
+        other = ev._stream
+        if ev._done or other is self or ev.query():
+            with self._submit_lock:
+                self._before_submit()
+                return self._mark(None)
+        if isinstance(other, CudaStream):
+            other._need(ev)
+            seq = ev._seq
+            gate: _Gate | None = None
+            if other._pending is not None and other._issued_mark < seq:
+                if not self.owned:
+                    # A wrapped stream: its owner's work must wait too, so the wait
+                    # is on the device, once ``other``'s held work (the CPU work)
+                    # has reached the driver: this blocks until then.
+                    other.order_handle_after(self.h)
+                    with self._submit_lock:
+                        self._before_submit()
+                        return self._mark(ev)
+                # ``other`` holds ``ev`` back behind host work: hold this stream too,
+                # until ``other`` hands the driver a marker covering ``ev``.
+                gate = _Gate()
+                if not other._when_issued(seq, partial(self._open, gate)):
+                    gate = None
+            with self._submit_lock:
+                self._before_submit()
+                if gate is not None and not gate.open:
+                    self._hold(gate)
+                self._issue(self._seq + 1, self._wait_now, other, seq)
+                return self._mark(ev)
+
+        # An event of a push-completed stream (the CPU device): host work that ends
+        # when the event does.
+        def when_done(finish: Callable[[Any, BaseException | None], None]) -> None:
+            ev.add_done_callback(lambda _e: finish(None, None))
+
+        return self._host_op(when_done, ev, after_prev=False)
+
+    def _wait_now(self, other: CudaStream, seq: int) -> None:
+        """This stream waits, on the device, until ``other`` has finished ``seq``."""
+        other._device_wait_for(self.raw, seq)
+
+    # -- ordering with streams of other libraries (``_core.foreign``) ---------------------------
+
+    def wait_for_handle(self, producer: int) -> None:
+        """Later work here waits, on the device, for what the foreign stream
+        ``producer`` has been given so far (an event recorded on it now)."""
+        with self._submit_lock:
+            if self._pending is None:
+                super().wait_for_handle(producer)
+                return
+            self.backend.make_current()
+            e = _check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+            try:
+                _check(cu.cuEventRecord(e, cu.CUstream(producer)), "cuEventRecord")
+            except BaseException:
+                cu.cuEventDestroy(e)
+                raise
+            self._pending.append((0, partial(_wait_event_once, self.raw, e)))
+
+    def order_handle_after(self, waiter: int, settle: bool = True) -> None:
+        """The foreign stream ``waiter`` waits, on the device, for everything
+        enqueued here so far. If this stream holds work behind CPU work, this first
+        blocks until that work has reached the driver (``settle``): a device-side
+        wait for it would be a stream waiting on memory that only finishing host
+        work lets the GPU write, and the driver can then block other calls (a
+        synchronous copy of the other library's) until it ends, which can deadlock.
+        Called with this stream's submit lock held
+        (``settle=False``), a stream still held falls back to that counter wait."""
+        if settle:
+            self._settle()
+        with self._submit_lock:
+            if self._pending is None:
+                super().order_handle_after(waiter)
+                return
+            seq = self._seq
+            if self._events is not None:
+                self._pending.append((0, partial(_write_counter, self.raw, self.caddr, seq)))
+            elif self._counter_mark < seq:
+                self._place_marker(counter=True)  # a counter the foreign stream can wait on
+            _check(
+                cu.cuStreamWaitValue64(cu.CUstream(waiter), self.caddr, seq, _GEQ),
+                "cuStreamWaitValue64",
+            )
+
+    # -- host work on the stream -------------------------------------------------------------
+
+    def _host_op(
+        self,
+        start: Callable[[Callable[[Any, BaseException | None], None]], None],
+        keep: Any,
+        after_prev: bool = True,
+        seq_to: list[int] | None = None,
+    ) -> DeviceEvent:
+        """Enqueue host work: ``start(finish)`` is called once the stream has reached
+        this point (at once with ``after_prev=False``) and must call ``finish(value,
+        error)`` when done; later work on the stream waits until then (held on the
+        host; on the device for a wrapped stream). ``seq_to[0]`` gets the
+        operation's sequence number before ``start`` can run."""
+        gate: _Gate | None = None
+        k = 0
+        with self._submit_lock:
+            self._before_submit()
+            prev = self.tail() if after_prev else None
+            if prev is not None and prev._seq > self._marked:
+                # The host work starts when ``prev`` is seen to finish, so ``prev``
+                # needs a marker *before* the hold: one placed later would wait
+                # for that very work (a deadlock).
+                self._place_marker()
+            if self.owned:
+                gate = self._hold()
+            else:
+                k = self._host_ops = self._host_ops + 1
+                _check(cu.cuStreamWaitValue64(self.raw, self.saddr, k, _GEQ), "cuStreamWaitValue64")
+            ev = self._mark(keep)
+            if seq_to is not None:
+                seq_to[0] = ev._seq
+            # The result waits here until the event is retired in order: a fault
+            # may fail the event first, and must not be overwritten by it.
+            ev._value = result = _HostResult()
+
+        def finish(value: Any, error: BaseException | None) -> None:
+            after = result.end(value, error)
+            if gate is not None:
+                self._open(gate)
+            else:
+                self._hostsig.value = k
+            if after is not None:
+                after()  # the host work right behind this one
+
+        def begin(_e: DeviceEvent | None = None) -> None:
+            try:
+                start(finish)
+            except BaseException as e:  # pragma: no cover - start itself broke
+                finish(None, e)
+
+        before = prev._value if prev is not None else None
+        if prev is None:
+            begin()
+        elif type(before) is _HostResult:
+            # Host work right before this (nothing between them on the stream):
+            # start when it ends, as the host sees it.
+            if not before.follow(begin):
+                begin()
+        elif prev.query():
+            begin()
+        else:
+            prev.add_done_callback(begin)
+        return ev
+
+    def cpu_call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> DeviceEvent:
+        op = [0]  # (this operation's sequence number, for host_work)
+
+        def start(finish: Callable[[Any, BaseException | None], None]) -> None:
+            def run() -> None:
+                host_work.stream, host_work.seq = self, op[0]
+                value, error = None, None
+                try:
+                    value = fn(*args, **kwargs)
+                except BaseException as e:
+                    error = e
+                host_work.stream = None
+                finish(value, error)
+
+            cpu_pool().submit(run)
+
+        self._prune()
+        return self._host_op(start, (fn, args, kwargs), seq_to=op)
+
+    def cpu_range(self, fn: Callable[[int], Any], count: int) -> DeviceEvent:
+        op = [0]  # (this operation's sequence number, for host_work)
+
+        def start(finish: Callable[[Any, BaseException | None], None]) -> None:
+            fan_out(self, op[0], count, range_work(fn), finish)
+
+        self._prune()
+        return self._host_op(start, fn, seq_to=op)
+
+    def _staged_copy(self, dst: Any, src: Any, nbytes: int, keep: Any) -> DeviceEvent:
+        """A copy to or from pageable host memory: a pool thread moves it through
+        pinned staging buffers, overlapping its memcpy with the DMA of the chunk
+        before, so the event loop never blocks in the driver."""
+        backend = self.backend
+        to_device = src._kind == "pageable"
+
+        backend._stage_kits.reserve()  # (here, on the enqueuing thread: see _StageKits)
+        # A wrapped stream waits on the device for this very copy, so its pinned
+        # chunks are taken here too (a page-locked allocation on the pool thread
+        # could wait for that wait). An owned stream holds its work on the host
+        # instead, and its copy takes them when it runs, as few as run at once.
+        chunks = None if self.owned else backend.stage_chunks(nbytes)
+
+        def work() -> None:
+            backend.make_current()
+            backend.staged_copy(dst, src, nbytes, to_device, chunks)
+
+        try:
+            return self._host_op(_in_pool_value(work), keep)
+        except BaseException:
+            for block in chunks or ():
+                _pinned.give(block)
+            raise
+
+    # -- user events, sync, faults -----------------------------------------------------------
+
+    def record(self, ev: _UserEvent) -> None:
+        with self._submit_lock:
+            if ev._handle is not None:
+                self._issue(0, _record, ev._handle, self.raw)
+            if not self.owned:
+                # Another library submits to this stream too: an operation of ours
+                # now stands for its work so far as well.
+                self._before_submit()
+                self._mark(None)
+            seq = self._seq
+            point: DeviceEvent | None = None
+            if seq and self._completed() < seq:
+                if self._marked < seq:
+                    self._place_marker()
+                # The in-flight queue gets a point of the stream's own, which
+                # finishes the user event only while it is still recorded here. (Not
+                # the user event itself: recorded again, on another stream or later
+                # on this one, it would carry its new sequence number into this
+                # queue, and the queue's retirement would stop there: later awaits
+                # on this stream could hang.)
+                point = DeviceEvent(self, seq, None)
+                point._add_waiter(_RecordReached(ev, self, seq))
+            ev._repoint(self, seq, point)
+            if point is not None:
+                self._inflight.append(point)
+        if point is None:
+            ev._finish_at(self, seq, None)
+        elif ev._waiters:
+            # Callback waits (the watcher's) made for an earlier record follow
+            # the event here.
+            watcher.watch(self, seq)
+
+    device_clock = True
+
+    def trace_stamp(self) -> Any:
+        """A timing event recorded here (``cuEventRecord``, in stream order, held
+        or not): where the device was when the operation just enqueued ended.
+        Read back with ``CudaBackend.stamp_ns``; never blocks."""
+        backend = self.backend
+        free = backend._free_stamps
+        e = free.pop() if free else backend.new_stamp()
+        with self._submit_lock:  # (record_raw and _issue inlined: a traced op's hot path)
+            if self._pending is None:
+                err = cu.cuEventRecord(e, self.raw)[0]
+                if err != _SUCCESS:
+                    free.append(e)
+                    raise _error(err, "cuEventRecord")
+            else:
+                self._pending.append((0, partial(_record, e, self.raw)))
+        return e
+
+    def record_raw(self, e: Any) -> None:
+        """``cuEventRecord`` of a driver event here, in stream order (held or not)."""
+        with self._submit_lock:
+            self._issue(0, _record, e, self.raw)
+
+    def _block(self, ev: DeviceEvent) -> None:
+        if ev._handle is not None and ev._stream is self:
+            self._settle()  # the record may still be held
+            err = cu.cuEventSynchronize(ev._handle)[0]
+            if err != _SUCCESS:
+                self._raise_fault(err, "cuEventSynchronize")
+            self._retire()
+            if not ev._done:
+                super()._block(ev)
+            return
+        if self.owned and ev._seq == self._seq and self._pending is None:
+            # The stream's last operation: block in the driver, which wakes as soon
+            # as the stream drains (polling with back-off would notice late).
+            self._need(ev, eager=False)
+            err = cu.cuStreamSynchronize(self.raw)[0]
+            if err != _SUCCESS:
+                self._raise_fault(err, "cuStreamSynchronize")
+            self._retire()
+            if ev._done:
+                return
+        super()._block(ev)
+
+    def synchronize(self) -> None:
+        with waiting_for(self):
+            self._settle()  # cuStreamSynchronize sees only what the driver was given
+            tail = self.tail()
+            if tail is not None:
+                self._need(tail, eager=False)
+            err = cu.cuStreamSynchronize(self.raw)[0]
+            if err != _SUCCESS:
+                self._raise_fault(err, "cuStreamSynchronize")
+            # Host work may still be finishing its completion write: let it land.
+            super().synchronize()
+
+    def _raise_fault(self, err: Any, what: str) -> None:
+        e = _error(err, what)
+        if isinstance(e, DeviceFaultError) or err in _STICKY:
+            self.state.fail_all(e)
+        raise e
+
+    def _query_fault(self) -> BaseException | None:
+        err = cu.cuStreamQuery(self.raw)[0]
+        if err in (_SUCCESS, _NOT_READY):
+            return None
+        e = _error(err, f"work on {self.label}")
+        return (
+            e
+            if isinstance(e, DeviceFaultError)
+            else DeviceFaultError(str(e), code=e.code, name=e.name)
+        )
+
+    def _elapsed_ms(self, start: DeviceEvent, end: DeviceEvent) -> float:
+        if start._handle is None or end._handle is None or not (start._timing and end._timing):
+            raise ValueError("elapsed_time needs events created with disable_timing=False")
+        return float(
+            _check(cu.cuEventElapsedTime(start._handle, end._handle), "cuEventElapsedTime")
+        )
+
+    def close(self) -> None:
+        watcher.forget(self)
+        self._free_spare()
+        self.is_closed = True
+        _leave_queues(self._queues, self)
+        with self._marker_lock:
+            marks = [*(self._events or ()), *self._copy_marks]
+            for e in [*self._free_events, *(x[1] for x in marks)]:
+                cu.cuEventDestroy(e)
+            self._free_events.clear()
+            self._copy_marks.clear()
+        if self.owned:
+            cu.cuStreamDestroy(self.raw)
+        _slab.give_back(self.caddr)
+        _slab.give_back(self.saddr)
+
+
+def _in_pool(
+    body: Callable[[Callable[[Any, BaseException | None], None]], None],
+) -> Callable[[Callable[[Any, BaseException | None], None]], None]:
+    def start(finish: Callable[[Any, BaseException | None], None]) -> None:
+        def run() -> None:
+            try:
+                body(finish)
+            except BaseException as e:
+                finish(None, e)
+
+        cpu_pool().submit(run)
+
+    return start
+
+
+def _in_pool_value(
+    fn: Callable[[], Any],
+) -> Callable[[Callable[[Any, BaseException | None], None]], None]:
+    def body(finish: Callable[[Any, BaseException | None], None]) -> None:
+        finish(fn(), None)
+
+    return _in_pool(body)
+
+
+class _RecordReached:
+    """The waiter on a record's point in a stream's in-flight queue: finishes the
+    user event there unless it has been recorded again since."""
+
+    __slots__ = ("event", "seq", "stream")
+
+    def __init__(self, event: _UserEvent, stream: _StreamImpl, seq: int) -> None:
+        self.event = event
+        self.stream = stream
+        self.seq = seq
+
+    def __call__(self, point: DeviceEvent) -> None:
+        self.event._finish_at(self.stream, self.seq, point._error)
