@@ -82,7 +82,7 @@ def main() -> dict[str, Any]:
     from cuda.bindings import driver as drv
 
     import asyncgpu as ag
-    from asyncgpu._devices.cuda import _engine
+    from asyncgpu._core import engine as _engine
     from asyncgpu._devices.cuda import backend as _backend
 
     out: dict[str, Any] = {"environment": environment_info(), "phases": []}

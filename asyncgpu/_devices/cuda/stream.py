@@ -4,7 +4,7 @@ between streams, host work on a stream, faults.
 Completion: every stream owns a 64-bit counter in host-mapped pinned memory.
 After an operation the stream writes the operation's sequence number into it
 (``cuStreamWriteValue64``), so the host learns that work finished by reading
-plain memory (see ``_engine``). Cross-stream and cross-device waits wait on the
+plain memory (see ``asyncgpu._core.engine``). Cross-stream and cross-device waits wait on the
 same counters on the device (``cuStreamWaitValue64``). The exception is a
 marker right after a copy or memset: that one is a recorded driver event
 (``cuEventRecord``), queried by the host and waited on with
