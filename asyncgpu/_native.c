@@ -37,11 +37,13 @@ typedef int (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigne
 typedef int (*write64_fn)(void *, unsigned long long, unsigned long long, unsigned);
 typedef int (*record_fn)(void *, void *);
 typedef int (*query_fn)(void *);
+typedef int (*memcpy_fn)(unsigned long long, unsigned long long, size_t, void *);
 
 static launch_fn p_launch = NULL;
 static write64_fn p_write64 = NULL;
 static record_fn p_record = NULL; /* cuEventRecord, or NULL: counter markers only */
 static query_fn p_query = NULL;   /* cuEventQuery */
+static memcpy_fn p_memcpy = NULL; /* cuMemcpyAsync, or NULL: copies through Python */
 static PyObject *s_ptr, *s_alloc, *s_ctx, *s_state, *s_closed; /* attribute names */
 
 /* Argument codes of a plan (one byte per argument). */
@@ -83,31 +85,35 @@ static int as_u64(PyObject *o, unsigned long long *out) {
 }
 
 static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    unsigned long long a, b, r = 0, q = 0;
+    unsigned long long a, b, r = 0, q = 0, m = 0;
     PyObject *prev;
-    if (n != 2 && n != 4) {
-        PyErr_SetString(PyExc_TypeError,
-                        "bind(launch_entry, write64_entry[, record_entry, query_entry])");
+    if (n != 2 && n != 4 && n != 5) {
+        PyErr_SetString(PyExc_TypeError, "bind(launch_entry, write64_entry[, record_entry, "
+                                         "query_entry[, memcpy_entry]])");
         return NULL;
     }
     if (as_u64(args[0], &a) || as_u64(args[1], &b))
         return NULL;
-    if (n == 4 && (as_u64(args[2], &r) || as_u64(args[3], &q)))
+    if (n >= 4 && (as_u64(args[2], &r) || as_u64(args[3], &q)))
+        return NULL;
+    if (n == 5 && as_u64(args[4], &m))
         return NULL;
     if (!a || !b || (r == 0) != (q == 0)) {
         PyErr_SetString(PyExc_ValueError, "a driver entry point is NULL");
         return NULL;
     }
-    prev = Py_BuildValue("(KKKK)", (unsigned long long)(uintptr_t)p_launch,
+    prev = Py_BuildValue("(KKKKK)", (unsigned long long)(uintptr_t)p_launch,
                          (unsigned long long)(uintptr_t)p_write64,
                          (unsigned long long)(uintptr_t)p_record,
-                         (unsigned long long)(uintptr_t)p_query);
+                         (unsigned long long)(uintptr_t)p_query,
+                         (unsigned long long)(uintptr_t)p_memcpy);
     if (prev == NULL)
         return NULL;
     p_launch = (launch_fn)(uintptr_t)a;
     p_write64 = (write64_fn)(uintptr_t)b;
     p_record = (record_fn)(uintptr_t)r; /* two entry points: no event markers */
     p_query = (query_fn)(uintptr_t)q;
+    p_memcpy = (memcpy_fn)(uintptr_t)m; /* 0: CudaStream.copy takes the Python path */
     return prev;
 }
 
@@ -1956,6 +1962,7 @@ static PyObject *stream_poll(PyObject *self, PyObject *o);
 static PyObject *stream_completed_fast(PyObject *self, PyObject *unused);
 
 static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
+static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
 
 static PyMethodDef stream_methods[] = {
     {"_launch_c", (PyCFunction)(void (*)(void))stream_launch_method, METH_FASTCALL,
@@ -1968,6 +1975,9 @@ static PyMethodDef stream_methods[] = {
     {"_retire", stream_retire, METH_NOARGS,
      "Finish, in order, every event the markers have passed; True when nothing is "
      "left in flight (_PolledStream._retire, in C)."},
+    {"_copy_c", (PyCFunction)(void (*)(void))stream_copy_method, METH_FASTCALL,
+     "_copy_c(dst, src, nbytes, keep) -> DeviceEvent, or None: CudaStream.copy's "
+     "submission in one call (None: the stream is held; the Python path queues it)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2760,6 +2770,96 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
         return NULL;
     }
     return stream_launch(self, args, NULL);
+}
+
+/* The copy proper, under the stream's submit lock: a new event, None (the
+ * stream is held: the Python path queues the copy), or NULL with an exception. */
+static PyObject *copy_locked(StreamCore *s, unsigned long long dst, unsigned long long src,
+                             unsigned long long nbytes, PyObject *keep) {
+    PyObject *ev, *o;
+    long long seq;
+    int err = 0;
+    if (!is_none(s->pending))
+        Py_RETURN_NONE; /* held behind host work */
+    if (before_submit(s))
+        return NULL;
+    if (!is_none(s->pending))
+        Py_RETURN_NONE; /* the marker above was held (another thread held the stream) */
+    if (nbytes) {
+        /* The GIL is released as cuda.bindings does: a copy can wait for room in
+         * the device's queue, and a pool thread may need the GIL meanwhile. */
+        Py_BEGIN_ALLOW_THREADS
+        err = p_memcpy(dst, src, (size_t)nbytes, (void *)(uintptr_t)s->h);
+        Py_END_ALLOW_THREADS
+        if (err != 0) {
+            PyObject *r = PyObject_CallMethod((PyObject *)s, "_driver_error", "is", err,
+                                              "cuMemcpyAsync");
+            Py_XDECREF(r);
+            if (r != NULL)
+                PyErr_SetString(PyExc_RuntimeError, "asyncgpu: _driver_error returned");
+            return NULL;
+        }
+        s->after_copy = 1; /* its marker is a driver event (_place_marker) */
+    }
+    seq = s->seq + 1;
+    s->seq = seq;
+    ev = event_new_of(event_type, (PyObject *)s, seq, keep);
+    if (ev == NULL)
+        return NULL;
+    if (is_queue(s->inflight)) {
+        if (queue_push((EventQueue *)s->inflight, ev)) {
+            Py_DECREF(ev);
+            return NULL;
+        }
+    } else {
+        o = PyObject_CallFunctionObjArgs(s->append, ev, NULL);
+        if (o == NULL) {
+            Py_DECREF(ev);
+            return NULL;
+        }
+        Py_DECREF(o);
+    }
+    if (s->eager && call_method0((PyObject *)s, s_place_marker)) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    return ev;
+}
+
+/* StreamCore._copy_c(dst, src, nbytes, keep) -> DeviceEvent, or None.
+ *
+ * CudaStream.copy for device and page-locked memory in one call: under the
+ * stream's submit lock, the marker rules of _before_submit, cuMemcpyAsync, the
+ * event (keeping `keep` alive) appended to the stream's in-flight queue, the
+ * marker when the stream is eager; then _prune. None, with nothing submitted,
+ * when cuMemcpyAsync is not bound or the stream is held behind host work. */
+static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    StreamCore *s = (StreamCore *)self;
+    unsigned long long dst, src, nbytes;
+    PyObject *ev;
+    Held sh;
+    if (n != 4) {
+        PyErr_SetString(PyExc_TypeError, "_copy_c(dst, src, nbytes, keep)");
+        return NULL;
+    }
+    if (p_memcpy == NULL || event_type == NULL || !is_none(s->pending))
+        Py_RETURN_NONE;
+    if (as_u64(args[0], &dst) || as_u64(args[1], &src) || as_u64(args[2], &nbytes))
+        return NULL;
+    if ((!is_queue(s->inflight) &&
+         cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL)) ||
+        hold(s->submit_lock, &s->lock_of, &s->acquire, &s->release, &sh))
+        return NULL;
+    ev = copy_locked(s, dst, src, nbytes, args[3]);
+    if (unhold(&sh))
+        Py_CLEAR(ev);
+    if (ev == NULL || ev == Py_None)
+        return ev;
+    if (prune(s)) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    return ev;
 }
 
 /* ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""A stand-in for the two driver entry points that ``asyncgpu._native`` calls
-(``cuLaunchKernel``, ``cuStreamWriteValue64``): C-callable ctypes functions that
-record what they were given and answer what the test says."""
+"""A stand-in for the driver entry points that ``asyncgpu._native`` calls
+(``cuLaunchKernel``, ``cuStreamWriteValue64``; with ``events``, also
+``cuEventRecord``, ``cuEventQuery`` and ``cuMemcpyAsync``): C-callable ctypes
+functions that record what they were given and answer what the test says."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ _WRITE64 = ctypes.CFUNCTYPE(
 )
 _RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_MEMCPY = ctypes.CFUNCTYPE(
+    ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+)
 NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
@@ -40,6 +44,8 @@ class Driver:
     records: list[tuple[int, int]] = field(default_factory=list)  # (event, stream)
     finished: set[int] = field(default_factory=set)  # events cuEventQuery calls finished
     record_result: int = 0
+    copies: list[tuple[int, int, int, int]] = field(default_factory=list)  # (dst, src, n, stream)
+    copy_result: int = 0
 
 
 @contextmanager
@@ -66,9 +72,13 @@ def bound_stand_in(events: bool = False) -> Iterator[Driver]:
     def query(event):
         return 0 if event in d.finished else NOT_READY
 
+    def memcpy(dst, src, nbytes, stream):
+        d.copies.append((dst, src, nbytes, stream or 0))
+        return d.copy_result
+
     fns = [_LAUNCH(launch), _WRITE64(write64)]
     if events:
-        fns += [_RECORD(record), _QUERY(query)]
+        fns += [_RECORD(record), _QUERY(query), _MEMCPY(memcpy)]
     prev = _native.bind(*(ctypes.cast(f, ctypes.c_void_p).value for f in fns))
     try:
         yield d

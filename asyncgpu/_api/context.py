@@ -25,17 +25,16 @@ from .._accel import native
 from .._core import engine as _engine
 from .._core import pool as _pool
 from .._core.event import DeviceEvent, _UserEvent
-from .._core.foreign import operand as foreign_operand
 from .._core.function import DeviceFunction, Kernel
 from .._core.memory import (
     DeviceBuffer,
     HostBuffer,
     _BufferBase,
-    _Pointer,
-    _Span,
     as_dtype,
     check_size,
 )
+from .._core.ops import check_writable as _check_writable
+from .._core.ops import copy_operands
 from .._core.state import _ContextState, _Ref
 from .._core.stream import _StreamImpl
 from .._core.trace import Trace
@@ -502,56 +501,12 @@ class DeviceContext(_ContextBase):
         return self._copy(dst, src, None, None, False)
 
     def _copy(self, dst: Any, src: Any, size: int | None, dtype: Any, cross: bool) -> DeviceEvent:
-        self._check_open()
+        # The hot path: the open check inline, one core call that checks the
+        # operands, then the stream's copy (compiled on CUDA down to the driver).
         state = self._state
-        d_ptr = isinstance(dst, (int, np.integer)) and not isinstance(dst, bool)
-        s_ptr = isinstance(src, (int, np.integer)) and not isinstance(src, bool)
-        if d_ptr or s_ptr:
-            d, s, nbytes = self._pointer_operands(dst, src, d_ptr, s_ptr, size, dtype)
-        else:
-            if size is not None:
-                raise TypeError("size is only given with raw addresses")
-            d = self._operand(dst, True)
-            s = self._operand(src, False)
-            if d._dtype != s._dtype:
-                raise TypeError(f"dtype mismatch: copying {s._dtype} into {d._dtype}")
-            if dtype is not None and as_dtype(dtype) != d._dtype:
-                raise TypeError(f"dtype={as_dtype(dtype)} does not match the operands' {d._dtype}")
-            d_buf = isinstance(d, _BufferBase)
-            s_buf = isinstance(s, _BufferBase)
-            if d_buf and s_buf:
-                # The destination's size is copied (the reference's rule); a source
-                # with fewer elements is refused rather than read past its end.
-                if s._size < d._size:
-                    raise ValueError(
-                        f"the source buffer has {s._size} elements; the destination buffer "
-                        f"needs {d._size}"
-                    )
-                nbytes = d._nbytes
-            elif d_buf:
-                if s._size < d._size:
-                    raise ValueError(
-                        f"the source array has {s._size} elements; the destination buffer "
-                        f"needs {d._size}"
-                    )
-                nbytes = d._nbytes
-            elif s_buf:
-                if d._size < s._size:
-                    raise ValueError(
-                        f"the destination array has {d._size} elements; the source buffer "
-                        f"holds {s._size}"
-                    )
-                nbytes = s._nbytes
-            else:
-                raise TypeError("enqueue_copy needs a buffer on at least one side")
-        dp, sp = d._ptr, s._ptr
-        if nbytes and dp != sp and dp < sp + nbytes and sp < dp + nbytes:
-            # cuMemcpy has no overlap rule (and the CPU device copies large ranges
-            # in parallel pieces): refused on every device, never a wrong result.
-            raise ValueError(
-                f"the copy's source and destination overlap ({nbytes} bytes at "
-                f"{sp:#x} and {dp:#x}); copy through a separate buffer"
-            )
+        if state.closed or not self._ref.open:
+            raise ContextClosedError(f"the DeviceContext {state.describe()} is closed")
+        d, s, nbytes = copy_operands(self, dst, src, size, dtype)
         impl = self._impl
         owners: tuple[_StreamImpl, ...] = ()
         tails: tuple[DeviceEvent, ...] = ()
@@ -574,63 +529,6 @@ class DeviceContext(_ContextBase):
             # before the copy, not the waits inserted behind it).
             state.trace.record(impl, ev, "copy", f"copy {s._kind}->{d._kind}", nbytes, tails)
         return ev
-
-    def _operand(self, obj: Any, writable: bool) -> Any:
-        if isinstance(obj, _BufferBase):
-            obj._check()
-            if writable:
-                _check_writable(obj)
-            ostate = obj._ctx._state
-            if ostate is not self._state and ostate.api != self._state.api:
-                raise ValueError(
-                    f"a buffer of the {ostate.describe()} context cannot be used by the "
-                    f"{self._state.describe()} context"
-                )
-            return obj
-        if isinstance(obj, np.ndarray):
-            return _Span(obj, writable)
-        t = type(obj)
-        if hasattr(t, "__cuda_array_interface__") or hasattr(t, "__dlpack__"):
-            # Another library's array (CuPy, PyTorch, numba, JAX...): wrapped in place.
-            return foreign_operand(self, obj, writable)
-        raise TypeError(
-            "a copy operand must be a DeviceBuffer, a HostBuffer, a NumPy array, an array "
-            "with __cuda_array_interface__ or __dlpack__, or (with a size) an int address, "
-            f"not {type(obj).__name__}"
-        )
-
-    def _pointer_operands(
-        self, dst: Any, src: Any, d_ptr: bool, s_ptr: bool, size: int | None, dtype: Any
-    ) -> tuple[Any, Any, int]:
-        backend = self._state.backend
-        if d_ptr and s_ptr:
-            if size is None or dtype is None:
-                raise TypeError("copying between two addresses needs size= and dtype=")
-            dt = as_dtype(dtype)
-            n = check_size(size)
-        else:
-            if size is not None:
-                raise TypeError("with a buffer operand the buffer's length is copied; omit size")
-            buf = self._operand(src if d_ptr else dst, not d_ptr)
-            if not isinstance(buf, _BufferBase):
-                raise TypeError("an address is copied to or from a buffer, not a NumPy array")
-            dt = buf._dtype
-            n = buf._size
-            if dtype is not None and as_dtype(dtype) != dt:
-                raise TypeError(f"dtype {as_dtype(dtype)} does not match the buffer's {dt}")
-        nbytes = n * dt.itemsize
-
-        def ptr(p: Any) -> _Pointer:
-            p = int(p)
-            if p == 0 and nbytes:
-                raise ValueError("null address")
-            if not 0 <= p < 1 << 64:
-                raise ValueError(f"{p} is not an address (outside 0..2**64-1)")
-            return _Pointer(p, dt, n, backend.pointer_host_view(p, nbytes))
-
-        d = ptr(dst) if d_ptr else buf
-        s = ptr(src) if s_ptr else buf
-        return d, s, nbytes
 
     def enqueue_memset(self, dst: DeviceBuffer | HostBuffer, val: Any) -> DeviceEvent:
         """Set every element of ``dst`` to ``val`` (``cuMemsetD8/16/32Async``; 64-bit
@@ -1026,15 +924,6 @@ def _completed() -> DeviceEvent:
     ev = DeviceEvent(None)
     ev._done = True
     return ev
-
-
-def _check_writable(buf: _BufferBase) -> None:
-    """``ValueError`` for a buffer that wraps another library's read-only memory."""
-    if getattr(buf._alloc, "readonly", False):
-        raise ValueError(
-            f"this {type(buf).__name__} wraps read-only memory (exported read-only by its "
-            "owner); it cannot be written"
-        )
 
 
 def _refuse_coroutine_function(func: Any, what: str) -> None:

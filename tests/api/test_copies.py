@@ -452,3 +452,31 @@ def test_no_cross_stream_sync_copies_device_to_device(
     np.testing.assert_array_equal(read(ctx, b), data)
     with pytest.raises(ValueError):
         ctx.enqueue_copy_no_cross_stream_sync(b, ctx.enqueue_create_buffer(np.int8, N - 1))
+
+
+# -- the hot path ---------------------------------------------------------------------------
+
+
+def test_a_buffer_copy_reaches_the_stream_in_three_python_calls(ctx: DeviceContext) -> None:
+    """``enqueue_copy`` -> ``_copy`` -> ``copy_operands`` (one core check of both
+    buffers, inline), then the stream's ``copy``: on CUDA that is one compiled
+    call down to ``cuMemcpyAsync`` (``tests/native/test_native_stream.py``), so a
+    copy reaches the driver in four Python frames."""
+    import sys
+
+    src = ctx.enqueue_create_buffer(np.float32, 64)
+    dst = ctx.enqueue_create_buffer(np.float32, 64)
+    copy = type(ctx._impl).copy.__code__
+    called: list[str] = []
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "call" and called[-1:] != ["<stream copy>"]:
+            called.append("<stream copy>" if frame.f_code is copy else frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        ev = ctx.enqueue_copy(dst, src)
+    finally:
+        sys.setprofile(None)
+    ev.synchronize()
+    assert called == ["enqueue_copy", "_copy", "copy_operands", "<stream copy>"]

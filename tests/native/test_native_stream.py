@@ -663,3 +663,81 @@ def test_a_user_event_recorded_again_before_its_first_point_stands_for_the_secon
     assert not ev.query()
     s.counter.value = 2
     assert ev.query()
+
+
+# -- copies: StreamCore._copy_c ------------------------------------------------------------
+
+
+class _Mem:
+    """What ``CudaStream.copy`` reads of an operand: its address and kind."""
+
+    def __init__(self, ptr: int, kind: str = "device") -> None:
+        self._ptr, self._kind = ptr, kind
+
+
+def test_a_copy_reaches_the_driver_in_one_compiled_call(stream: Stream, driver: Driver) -> None:
+    """``CudaStream.copy`` is the only Python frame between the stream and
+    ``cuMemcpyAsync``: the marker rules, the driver call, the event and the
+    prune are one C call."""
+    keep = (object(), object())
+    called: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name != "memcpy":
+            called.append(frame.f_code.co_name)
+
+    dst, src = _Mem(0xD000), _Mem(0xC000)
+    sys.setprofile(profile)
+    try:
+        ev = stream.s.copy(dst, src, 4096, keep)
+    finally:
+        sys.setprofile(None)
+    assert called == ["copy"]
+    assert driver.copies == [(0xD000, 0xC000, 4096, 0x5EA)]
+    assert type(ev) is DeviceEvent
+    assert (ev._stream, ev._seq, ev._done, ev._keep) == (stream.s, 1, False, keep)
+    assert list(stream.s._inflight) == [ev] and stream.s._after_copy
+    assert _lock_is_free(stream.s._submit_lock)
+
+
+def test_an_empty_copy_is_an_operation_without_a_driver_call(
+    stream: Stream, driver: Driver
+) -> None:
+    ev = stream.s.copy(_Mem(0xD000), _Mem(0xC000), 0, None)
+    assert driver.copies == [] and ev._seq == 1 and not stream.s._after_copy
+
+
+def test_a_copy_follows_the_marker_rules(stream: Stream, driver: Driver) -> None:
+    """A last event the user still holds gets its marker before the copy goes
+    in; an eager stream places one right after the copy (a driver event there,
+    since a copy's marker is an event: ``_place_marker``)."""
+    placed: list[int] = []
+
+    def place() -> None:
+        placed.append(stream.s._seq)
+        stream.s._marked = stream.s._seq
+
+    stream.s._place_marker = place  # type: ignore[method-assign]
+    first = stream.s.copy(_Mem(0xD000), _Mem(0xC000), 64, None)
+    stream.s.copy(_Mem(0xD000), _Mem(0xC000), 64, None)
+    assert first._seq == 1 and placed == [1]  # held by the test: marked first
+    stream.s._eager = True
+    ev = stream.s.copy(_Mem(0xD000), _Mem(0xC000), 64, None)
+    assert placed[-1] == ev._seq == 3
+
+
+def test_a_held_stream_hands_the_copy_back(stream: Stream, driver: Driver) -> None:
+    stream.s._pending = deque()
+    assert stream.s._copy_c(0xD000, 0xC000, 64, None) is None
+    assert driver.copies == [] and stream.s._seq == 0
+
+
+def test_a_failed_copy_raises_and_submits_nothing(stream: Stream, driver: Driver) -> None:
+    stream.s._driver_error = _stream.CudaStream._driver_error.__get__(stream.s)  # type: ignore[method-assign]
+    driver.copy_result = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(DeviceError, match="cuMemcpyAsync"):
+        stream.s.copy(_Mem(0xD000), _Mem(0xC000), 64, None)
+    assert stream.s._seq == 0 and not stream.s._inflight
+    assert _lock_is_free(stream.s._submit_lock)
+    driver.copy_result = 0
+    assert stream.s.copy(_Mem(0xD000), _Mem(0xC000), 64, None)._seq == 1

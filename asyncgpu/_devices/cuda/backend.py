@@ -91,6 +91,7 @@ def _bind_native() -> None:
             _entry_point("cuStreamWriteValue64"),
             _entry_point("cuEventRecord"),
             _entry_point("cuEventQuery"),
+            _entry_point("cuMemcpyAsync"),
         )
     except (DeviceError, ValueError):
         return  # a driver without these entry points: cuda.bindings

@@ -446,8 +446,16 @@ class CudaStream(_PolledStream):
             self.backend.launch_raw(self, impl, cfg, kargs)
 
     def copy(self, dst: Any, src: Any, nbytes: int, keep: Any) -> DeviceEvent:
+        """``cuMemcpyAsync`` between device or page-locked memory (never blocks the
+        host), in one compiled call (``StreamCore._copy_c``: the marker rules,
+        the driver call, the event, the prune, under the submit lock); pageable
+        memory is staged through pinned buffers by host work. A stream held
+        behind host work queues the copy here instead."""
         if nbytes and (dst._kind == "pageable" or src._kind == "pageable"):
             return self._staged_copy(dst, src, nbytes, keep)
+        ev = self._copy_c(dst._ptr, src._ptr, nbytes, keep)
+        if ev is not None:
+            return ev  # type: ignore[no-any-return]
         with self._submit_lock:
             self._before_submit()
             if nbytes:
