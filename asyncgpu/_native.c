@@ -1956,6 +1956,7 @@ static PyObject *stream_poll(PyObject *self, PyObject *o);
 static PyObject *stream_completed_fast(PyObject *self, PyObject *unused);
 
 static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
+static PyObject *stream_before_submit(PyObject *self, PyObject *unused);
 
 static PyMethodDef stream_methods[] = {
     {"_launch_c", (PyCFunction)(void (*)(void))stream_launch_method, METH_FASTCALL,
@@ -1968,6 +1969,9 @@ static PyMethodDef stream_methods[] = {
     {"_retire", stream_retire, METH_NOARGS,
      "Finish, in order, every event the markers have passed; True when nothing is "
      "left in flight (_PolledStream._retire, in C)."},
+    {"_before_submit", stream_before_submit, METH_NOARGS,
+     "Under _submit_lock, before a new operation is submitted: the marker rules "
+     "(_PolledStream._before_submit's docstring)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2099,6 +2103,13 @@ static int before_submit(StreamCore *s) {
     }
     Py_DECREF(tail);
     return 0;
+}
+
+/* _before_submit(): before_submit above, for the submissions made in Python. */
+static PyObject *stream_before_submit(PyObject *self, PyObject *unused) {
+    if (before_submit((StreamCore *)self))
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* The driver handle of a CUevent (cuda.bindings' object, or an int). */

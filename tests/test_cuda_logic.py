@@ -176,15 +176,6 @@ def test_a_driver_without_the_hot_path_entry_points_leaves_cuda_bindings_in_char
     assert cuda._native is None
 
 
-def test_asyncgpu_native_0_leaves_cuda_bindings_in_charge(monkeypatch) -> None:
-    monkeypatch.setattr(cuda, "_native", None)
-    monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(native=False))
-    asked: list[object] = []
-    monkeypatch.setattr(cuda.cu, "cuGetProcAddress", lambda *a: asked.append(a))
-    cuda._bind_native()
-    assert cuda._native is None and asked == []
-
-
 class _Streamish:
     """Enough of a CudaStream for the hardware-queue count."""
 

@@ -161,7 +161,7 @@ def _entry_point(name: str) -> int:
 def _bind_native() -> None:
     global _native
     native = _accel.native
-    if _native is not None or native is None or not _config.SETTINGS.native:
+    if _native is not None or native is None:
         return
     try:
         native.bind(
