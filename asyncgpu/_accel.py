@@ -1,47 +1,51 @@
-"""The C extension ``asyncgpu._native``, where it is built and not switched off.
+"""The C extension ``asyncgpu._native``: the compiled hot path, which asyncgpu
+needs (``pip install`` builds it; an install that cannot build it fails).
 
-``native`` is the module, or None: not built (asyncgpu then runs on Python and
-cuda.bindings alone), or ``ASYNCGPU_NATIVE=0`` (``_config``) when asyncgpu
-was imported. Events, polled streams and buffers keep their fields in its C
-types (``EventCore``, ``StreamCore``, ``BufferCore``, ``SpareCore``,
-``FunctionCore``, ``ContextCore``; ``c_base``) and their locks are its ``RLock``
-(``hot_lock``) when it is there; the CUDA backend also binds its driver calls
-(``_cuda._bind_native``), which it does only once a driver has initialised.
+Events, polled streams, buffers, functions, context states and views keep
+their fields in its C types (``EventCore``, ``StreamCore``, ``BufferCore``,
+``FunctionCore``, ``StateCore``, ``RefCore``, ``ContextCore``), which the
+classes of the core and the public face subclass; the CUDA backend also binds
+its driver calls (``bind``), which it does only once a driver has initialised.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
-from typing import Any
-
-from . import _config
+from typing import TYPE_CHECKING, Any
 
 
 def _load() -> Any:
-    if not _config.SETTINGS.native:
-        return None
     # By name: the extension is C and imports nothing of the package, and a
     # ``from . import _native`` reads to the import checker (import-linter, which
     # sees only Python modules) as an import of the package root, which imports
     # every layer.
     try:
         return importlib.import_module(f"{__package__}._native")
-    except ImportError:
-        return None
+    except ImportError as e:
+        raise ImportError(
+            "asyncgpu's C extension asyncgpu._native is missing or cannot be loaded "
+            f"({e}). It is built when asyncgpu is installed: reinstall with a C compiler "
+            "(gcc or clang) and the Python headers present (`pip install asyncgpu`, or "
+            "`pip install -e .` in a checkout), or build it in place with "
+            "`python setup.py build_ext --inplace`."
+        ) from e
 
 
-native: Any = _load()
+if TYPE_CHECKING:  # (its types: _native.pyi)
+    from . import _native as native
+else:
+    native = _load()
 
 
 def c_base(name: str, fallback: type) -> type:
-    """The C type ``name`` of the extension that a class keeps its fields in, or
-    ``fallback`` (a Python class with the same fields) where it is not loaded."""
-    return fallback if native is None else getattr(native, name)
+    """The C type ``name`` of the extension (``fallback`` is no longer used: the
+    extension is required). Only the CUDA device package still calls this; its
+    classes subclass the C types directly next."""
+    return getattr(native, name)  # type: ignore[no-any-return]
 
 
 def hot_lock() -> Any:
-    """A lock the hot paths take: the extension's ``RLock`` (re-entrant, with
-    ``threading.RLock``'s methods), which its C code takes and gives back
-    without a Python call, or ``threading.RLock`` where it is not loaded."""
-    return threading.RLock() if native is None else native.RLock()
+    """The extension's ``RLock`` (re-entrant, with ``threading.RLock``'s
+    methods), which its C code takes and gives back without a Python call. Only
+    the CUDA device package still calls this; it makes ``native.RLock()`` next."""
+    return native.RLock()

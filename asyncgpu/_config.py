@@ -13,9 +13,6 @@ ASYNCGPU_NUM_STREAMS          8                integer >= 1      streams in a co
 ASYNCGPU_TRACE                unset: none      a file path       every new context records a
                                                                  trace and writes it there
                                                                  (per context)
-ASYNCGPU_NATIVE               1                flag              0: run without the C
-                                                                 extension (cuda.bindings
-                                                                 and Python instead)
 ASYNCGPU_WAKE_BUDGET_MS       0.2              0.01 to 100       how long the tasks a reactor
                                                                  wakes in one loop iteration
                                                                  may take together, in ms
@@ -69,10 +66,9 @@ needs another setting replaces the whole object for its duration::
 
     monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(load_wait_s=0.05))
 
-Two settings are fixed at import by design and cannot be replaced so: whether
-the extension is loaded (``_accel.native``) and the reactor's wake budget
-(``_engine.ITERATION_S``). Tests of those run a subprocess with the variable
-set.
+One setting is fixed at import by design and cannot be replaced so: the
+reactor's wake budget (``_engine.ITERATION_S``). Tests of it run a subprocess
+with the variable set.
 
 This module imports only the standard library, so that every layer may use it.
 """
@@ -95,7 +91,6 @@ __all__ = [
     "read_disable_healthcheck",
     "read_kernel_markers",
     "read_load_wait_s",
-    "read_native",
     "read_num_streams",
     "read_trace",
     "read_wake_budget_s",
@@ -181,11 +176,6 @@ def read_trace(env: Env = os.environ) -> str | None:
 # -- settings of the process: read once, into SETTINGS ----------------------------------
 
 
-def read_native(env: Env = os.environ) -> bool:
-    """``ASYNCGPU_NATIVE``: whether to use the C extension where it is built."""
-    return _flag(env, "ASYNCGPU_NATIVE", True)
-
-
 def read_wake_budget_s(env: Env = os.environ) -> float:
     """The reactor's ``ITERATION_S`` from ``ASYNCGPU_WAKE_BUDGET_MS``
     (milliseconds, 0.01 to 100). A smaller budget keeps other tasks on the loop
@@ -268,7 +258,6 @@ def read_disable_healthcheck(env: Env = os.environ) -> bool:
 class Settings:
     """The settings of the process (see the module's doc)."""
 
-    native: bool
     wake_budget_s: float
     cpu_threads: int
     kernel_markers: str
@@ -281,7 +270,6 @@ class Settings:
     @classmethod
     def from_env(cls, env: Env = os.environ) -> Settings:
         return cls(
-            native=read_native(env),
             wake_budget_s=read_wake_budget_s(env),
             cpu_threads=read_cpu_threads(env),
             kernel_markers=read_kernel_markers(env),

@@ -1963,6 +1963,7 @@ static PyObject *stream_completed_fast(PyObject *self, PyObject *unused);
 
 static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
+static PyObject *stream_before_submit(PyObject *self, PyObject *unused);
 
 static PyMethodDef stream_methods[] = {
     {"_launch_c", (PyCFunction)(void (*)(void))stream_launch_method, METH_FASTCALL,
@@ -1978,6 +1979,9 @@ static PyMethodDef stream_methods[] = {
     {"_copy_c", (PyCFunction)(void (*)(void))stream_copy_method, METH_FASTCALL,
      "_copy_c(dst, src, nbytes, keep) -> DeviceEvent, or None: CudaStream.copy's "
      "submission in one call (None: the stream is held; the Python path queues it)."},
+    {"_before_submit", stream_before_submit, METH_NOARGS,
+     "Under _submit_lock, before a new operation is submitted: the marker rules "
+     "(_PolledStream._before_submit's docstring)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2109,6 +2113,13 @@ static int before_submit(StreamCore *s) {
     }
     Py_DECREF(tail);
     return 0;
+}
+
+/* _before_submit(): before_submit above, for the submissions made in Python. */
+static PyObject *stream_before_submit(PyObject *self, PyObject *unused) {
+    if (before_submit((StreamCore *)self))
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* The driver handle of a CUevent (cuda.bindings' object, or an int). */

@@ -1,6 +1,7 @@
-# The C extension asyncgpu._native (see _native.c); optional: asyncgpu runs without it.
+# The C extension asyncgpu._native (see _native.c): the compiled hot path asyncgpu needs.
 from collections.abc import Callable, Generator, Iterator
 from contextvars import Context
+from typing import Any
 
 MARKER_FAILED: int
 
@@ -36,33 +37,68 @@ def configure(
 ) -> None: ...
 
 class EventCore:
-    """The fields of a DeviceEvent (asyncgpu._event subclasses this)."""
+    """The fields of a DeviceEvent (asyncgpu._core.event subclasses this)."""
 
+    _stream: Any
+    _seq: int
+    _done: bool
+    _value: Any
+    _error: BaseException | None
+    _waiters: list[Any] | None
+    _keep: Any
+    _lock: Any
+    _node: Any
+    _handle: Any
+    _timing: Any
     def __new__(cls, stream: object = ..., seq: int = ..., keep: object = ...) -> EventCore: ...
     def _finish(self, value: object = ..., error: BaseException | None = ..., /) -> None: ...
     def _add_waiter(self, waiter: object, /) -> bool: ...
     def __await__(self) -> Generator[object, None, object]: ...
 
 class StreamCore:
-    """The bookkeeping fields of a polled stream (asyncgpu._stream subclasses this)."""
+    """The bookkeeping fields of a polled stream (asyncgpu._core.stream subclasses this)."""
 
+    _inflight: Any
+    _pending: Any
+    _submit_lock: Any
+    _param_mem: Any
+    _events: Any
+    _copy_marks: Any
+    _seq: int
+    _marked: int
+    _awaited: int
+    _issued_mark: int
+    _counter_mark: int
+    _done_seq: int
+    h: int
+    caddr: int
+    _eager: bool
+    _touched: bool
+    _after_copy: bool
+    _retire_lock: Any
+    _counter_in_c: bool
+    _marker_lock: Any
+    _free_events: Any
+    _kernel_event_markers: bool
+    spare: Any
     def _launch_c(
         self, fn: object, args: tuple[object, ...], cfg: object, constant_memory: object, /
     ) -> EventCore: ...
     def _copy_c(self, dst: int, src: int, nbytes: int, keep: object, /) -> EventCore | None: ...
-    def _poll(self, ev: EventCore, /) -> bool: ...
+    def _poll(self, ev: Any, /) -> bool: ...
     def _completed_fast(self) -> int: ...
     def _retire(self) -> bool: ...
+    def _before_submit(self) -> None: ...
 
 class BufferCore:
-    """The fields of a buffer (asyncgpu._buffer subclasses this)."""
+    """The fields of a buffer (asyncgpu._core.memory subclasses this)."""
 
-    _alloc: object
-    _ctx: object
-    _dtype: object
-    _hostbytes: object
-    _owner: object
-    _parent: object
+    _alloc: Any
+    _ctx: Any
+    _dtype: Any
+    _hostbytes: Any
+    _owner: Any
+    _parent: Any
     _ptr: int
     _size: int
     _nbytes: int
@@ -88,29 +124,41 @@ class KernelCore:
 class FunctionCore:
     """The fields of a DeviceFunction that a launch reads."""
 
-    _ctx: object
-    _impl: object
-    _cfgs: dict[object, object]
+    _ctx: Any
+    _impl: Any
+    _cfgs: dict[Any, Any]
 
 class ContextCore:
     """The fields of a DeviceContext and its hot paths."""
 
-    _state: object
-    _impl: object
-    _ref: object
-    def enqueue_function(self, f: object, /, *args: object, **kwargs: object) -> object: ...
-    def enqueue_create_buffer(self, dtype: object, size: object) -> object: ...
+    _state: Any
+    _impl: Any
+    _ref: Any
+    # (DeviceContext declares their full signatures)
+    def enqueue_function(self, *args: Any, **kwargs: Any) -> Any: ...
+    def enqueue_create_buffer(self, *args: Any, **kwargs: Any) -> Any: ...
+
+class StateCore:
+    """The fields of a context state that the C hot paths read."""
+
+    closed: bool
+    trace: Any
+
+class RefCore:
+    """Whether a reference to a context state is open."""
+
+    open: bool
 
 class EventQueue:
     """The events of a polled stream in flight, oldest first (a deque's
     append, popleft, clear, len, indexing and iteration)."""
 
     def append(self, ev: object, /) -> None: ...
-    def popleft(self) -> object: ...
+    def popleft(self) -> Any: ...
     def clear(self) -> None: ...
     def __len__(self) -> int: ...
-    def __getitem__(self, index: int, /) -> object: ...
-    def __iter__(self) -> Iterator[object]: ...
+    def __getitem__(self, index: int, /) -> Any: ...
+    def __iter__(self) -> Iterator[Any]: ...
 
 class DirectFuture:
     """DirectFuture(loop): the future of one awaited operation of a polled stream,
@@ -152,8 +200,8 @@ def configure_futures(
 ) -> None: ...
 def configure_await(
     get_running_loop: Callable[[], object],
-    await_event: Callable[[EventCore], Iterator[object]],
-    await_future: Callable[[EventCore, object], Iterator[object]],
+    await_event: Callable[[Any], Iterator[object]],
+    await_future: Callable[[Any, Any], Iterator[object]],
     /,
 ) -> None: ...
 def set_exiting(flag: bool, /) -> None: ...

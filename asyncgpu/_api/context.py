@@ -16,7 +16,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -39,7 +39,6 @@ from .._core.state import _ContextState, _Ref
 from .._core.stream import _StreamImpl
 from .._core.trace import Trace
 from .._core.trace_json import write_chrome_trace
-from .._core.view import _ContextBase
 from .._devices import backend_class, cuda_available
 from .._errors import ContextClosedError, NoDeviceError, UnsupportedError
 from .._types import (
@@ -65,7 +64,7 @@ def default_api() -> str:
     return _config.read_api() or ("cuda" if cuda_available() else "cpu")
 
 
-class DeviceContext(_ContextBase):
+class DeviceContext(native.ContextCore):
     """A device context (GPU or CPU) bound to a current stream.
 
     ``DeviceContext(device_id=0, *, api=None)``: ``api`` is ``"cuda"`` or ``"cpu"``;
@@ -76,6 +75,13 @@ class DeviceContext(_ContextBase):
     Use it with ``with`` (leaving synchronizes, then releases) or ``async with``
     (leaving awaits outstanding work without blocking the loop, then releases).
     ``await ctx`` waits for all work enqueued so far on the current stream.
+
+    Its fields (``_state``, ``_impl``, ``_ref``) are the compiled
+    ``ContextCore``'s, and so are ``enqueue_function`` (a compiled function of
+    this context launched with a geometry seen before, untraced, in one C call
+    down to ``cuLaunchKernel``) and ``enqueue_create_buffer`` (memory the
+    current CUDA stream kept): every other call goes to the general paths
+    ``_enqueue_function`` and ``_enqueue_create_buffer`` below.
     """
 
     __slots__ = ("__weakref__",)
@@ -450,15 +456,21 @@ class DeviceContext(_ContextBase):
 
     # -- memory --------------------------------------------------------------------------------
 
-    def enqueue_create_buffer(self, dtype: Any, size: int) -> DeviceBuffer:
-        """A device buffer of ``size`` elements, allocated in stream order on the
-        current stream from the device's memory pool (``cuMemAllocFromPoolAsync``).
-        It is owned by the current stream and freed on it."""
+    def _enqueue_create_buffer(self, dtype: Any, size: int) -> DeviceBuffer:
+        """``enqueue_create_buffer``: a device buffer of ``size`` elements,
+        allocated in stream order on the current stream from the device's memory
+        pool (``cuMemAllocFromPoolAsync``). It is owned by the current stream and
+        freed on it. (The general path, which the compiled
+        ``ContextCore.enqueue_create_buffer`` falls back to where the current
+        stream kept no memory of that size.)"""
         self._check_open()
         dt = as_dtype(dtype)
         size = check_size(size)
         alloc = self._state.backend.alloc_device(size * dt.itemsize, self._impl)
         return DeviceBuffer(self, alloc, dt, size, self._impl)
+
+    if TYPE_CHECKING:  # ContextCore's, which takes the same arguments (the class docstring)
+        enqueue_create_buffer = _enqueue_create_buffer
 
     def create_buffer_sync(self, dtype: Any, size: int) -> DeviceBuffer:
         """Like ``enqueue_create_buffer``, then blocks until the allocation is done."""
@@ -626,7 +638,7 @@ class DeviceContext(_ContextBase):
                 self._state.compiled[key] = fn
         return fn
 
-    def enqueue_function(
+    def _enqueue_function(
         self,
         f: DeviceFunction | Kernel | Callable[..., Any],
         *args: Any,
@@ -638,11 +650,14 @@ class DeviceContext(_ContextBase):
         constant_memory: Sequence[ConstantMemoryMapping] = (),
         func_attribute: FuncAttribute | None = None,
     ) -> DeviceEvent:
-        """Launch ``f`` on the current stream (``cuLaunchKernelEx``; on the CPU device
-        its NumPy body runs once per block on the pool). Arguments: device and host
-        buffers, NumPy scalars and arrays, objects with ``__cuda_array_interface__``;
-        a Python int or float raises ``TypeError`` (give it a NumPy type). Returns at
-        once; the event completes when the kernel has."""
+        """``enqueue_function``: launch ``f`` on the current stream
+        (``cuLaunchKernelEx``; on the CPU device its NumPy body runs once per block
+        on the pool). Arguments: device and host buffers, NumPy scalars and arrays,
+        objects with ``__cuda_array_interface__``; a Python int or float raises
+        ``TypeError`` (give it a NumPy type). Returns at once; the event completes
+        when the kernel has. (The general path, which the compiled
+        ``ContextCore.enqueue_function`` falls back to for a function, a geometry
+        or a context it has not seen, or a traced one.)"""
         state = self._state
         if state.closed or not self._ref.open:
             self._check_open()
@@ -680,6 +695,9 @@ class DeviceContext(_ContextBase):
         if state.trace is not None:
             state.trace.record(self._impl, ev, "kernel", f.name)
         return ev
+
+    if TYPE_CHECKING:  # ContextCore's, which takes the same arguments (the class docstring)
+        enqueue_function = _enqueue_function
 
     def _launch_config(
         self,
@@ -878,22 +896,13 @@ _SCALAR_SAMPLES = (
     np.uint64(0xA5C3E1F7_1B2D4F69),
 )
 
-# The hot paths in C where the extension is built (``ContextCore``): its
-# ``enqueue_function`` launches a compiled function of this context with a
-# geometry seen before, untraced, in one C call down to ``cuLaunchKernel``; its
-# ``enqueue_create_buffer`` hands out memory the current CUDA stream kept. Every
-# other call goes, unchanged, to the Python methods above, kept as
-# ``_enqueue_function`` and ``_enqueue_create_buffer``; without them in the
-# class, the names find ContextCore's methods.
-if native is not None:
-    for _name in ("enqueue_function", "enqueue_create_buffer"):
-        setattr(DeviceContext, f"_{_name}", DeviceContext.__dict__[_name])
-        delattr(DeviceContext, _name)
-    native.configure_buffers(DeviceBuffer, DeviceFunction, as_dtype, np.dtype)
-    # NumPy scalar arguments whose value the launch copies from the scalar itself
-    # (each checked with this sample, whose every byte matters) rather than
-    # through float() or __index__.
-    native.configure_scalars(b"fdbhiqBHIQ", _SCALAR_SAMPLES)
+# What the compiled enqueue_function and enqueue_create_buffer need of Python: the
+# buffer and function classes and the dtype lookup; and the NumPy scalar
+# arguments whose value the launch copies from the scalar itself (each checked
+# with this sample, whose every byte matters) rather than through float() or
+# __index__.
+native.configure_buffers(DeviceBuffer, DeviceFunction, as_dtype, np.dtype)
+native.configure_scalars(b"fdbhiqBHIQ", _SCALAR_SAMPLES)
 
 
 class _Wait:

@@ -75,13 +75,10 @@ ITERATION_S = _config.SETTINGS.wake_budget_s  # $ASYNCGPU_WAKE_BUDGET_MS, read a
 InvalidStateError = asyncio.InvalidStateError
 _monotonic = time.perf_counter
 # The future of a reactor's await: the extension's DirectFuture, which the
-# reactor completes by running the awaiting task's step at once (``_wake_batch``),
-# or asyncio's own, completed with ``set_result`` (one ``loop.call_soon`` each).
-_Future: Any = asyncio.Future
-_direct = native is not None
-if _direct:
-    native.configure_futures(contextvars.copy_context, asyncio.CancelledError, InvalidStateError)
-    _Future = native.DirectFuture
+# reactor completes by running the awaiting task's step at once (``_wake_batch``);
+# configure_futures hands it what it needs of contextvars and asyncio.
+_Future: Any = native.DirectFuture
+native.configure_futures(contextvars.copy_context, asyncio.CancelledError, InvalidStateError)
 _first = operator.itemgetter(0)
 
 
@@ -253,16 +250,8 @@ class _Reactor:
             self.batch = max(WAKE_MIN, min(WAKE_MAX, round(ITERATION_S / per_task)))
         d = self.deferred
         n = min(self.batch, len(d))
-        if _direct:
-            popleft = d.popleft
-            self.loop.call_soon(_wake_batch, [popleft() for _ in range(n)])
-        else:
-            for _ in range(n):
-                fut = d.popleft()
-                try:  # (not contextlib.suppress: the wake-up's hot path)  # noqa: SIM105
-                    fut.set_result(None)
-                except InvalidStateError:  # cancelled (its task was)
-                    pass
+        popleft = d.popleft
+        self.loop.call_soon(_wake_batch, [popleft() for _ in range(n)])
         self.woken = n
         self.woke_at = now
 

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
-from .._accel import c_base, native
+from .._accel import native
 from .._errors import AsyncGPUError, DeviceFaultError
 from .pool import waiting_for
 
@@ -40,130 +40,22 @@ _log = logging.getLogger("asyncgpu")
 _get_ident = threading.get_ident
 
 
-class _EventFields:
-    """The fields of a DeviceEvent where the C extension is not built (its
-    ``EventCore`` has the same fields, initialised the same way)."""
-
-    __slots__ = (
-        "_done",
-        "_error",
-        "_handle",
-        "_keep",
-        "_lock",
-        "_node",
-        "_seq",
-        "_stream",
-        "_timing",
-        "_value",
-        "_waiters",
-    )
-
-    def __init__(self, stream: Any, seq: int = 0, keep: Any = None) -> None:
-        self._stream = stream
-        self._seq = seq
-        self._done = False
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._waiters: list[Any] | None = None
-        self._keep = keep
-        self._lock: threading.Lock | None = None
-        self._node: Any = None
-        self._handle: Any = None  # backend object of a user event (a CUevent on CUDA)
-        self._timing: Any = False  # user events: timing on, and the host stamp
-
-    # -- completion (called by the stream that owns the event; in C where the
-    # extension is built, where the GIL alone makes each of them atomic) ----------
-
-    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
-        """Mark done and wake every waiter. Called exactly once, from any thread."""
-        lock = self._lock
-        if lock is None:
-            # No waiter has ever been registered and none can be mid-registration
-            # without having created the lock first (see _add_waiter). A second
-            # finish keeps the first outcome, as under the lock.
-            if not self._done:
-                self._value = value
-                self._error = error
-                self._done = True
-                self._keep = None
-            lock = self._lock
-            if lock is None:
-                return
-        with lock:
-            if not self._done:
-                self._value = value
-                self._error = error
-                self._done = True
-                self._keep = None
-            waiters, self._waiters = self._waiters, None
-        if waiters:
-            _wake_all(self, waiters)  # type: ignore[arg-type]
-
-    def _add_waiter(self, waiter: Any) -> bool:
-        """Register a waiter; False if the event is already done (caller resolves)."""
-        lock = self._lock
-        if lock is None:
-            lock = _new_lock(self)
-        with lock:
-            if self._done:
-                return False
-            if self._waiters is None:
-                self._waiters = [waiter]
-            else:
-                self._waiters.append(waiter)
-            return True
-
-
-def _wake_all(ev: DeviceEvent, waiters: list[Any]) -> None:
-    """Wake the waiters of a finished event: awaiting tasks first, then callbacks
-    (which may start the stream's next operation), so tasks wake in completion
-    order. It is ``DeviceEvent._wake_waiters``, which ``_finish`` calls."""
-    for w in waiters:
-        if type(w) is _LoopWaiter:
-            _wake(w)
-    for w in waiters:
-        if type(w) is not _LoopWaiter:
-            try:
-                w(ev)
-            except Exception as e:  # one broken callback must not strand the rest
-                _report_callback_error(w, e)
-
-
 def _report_callback_error(fn: Any, e: Exception) -> None:
     """A done callback raised, on a thread that cannot hand it to anyone: logged
     on the ``asyncgpu`` logger (printed to stderr when logging is not set up)."""
     _log.error("exception in the done callback %r", fn, exc_info=e)
 
 
-# The fields live in C where the extension is built: creating the event of an
-# operation is then one allocation, and the CUDA launch creates it without Python.
-if TYPE_CHECKING:
-    _EventBase = _EventFields
-else:
-    _EventBase = c_base("EventCore", _EventFields)
-
-
 def _await_event(ev: DeviceEvent) -> Generator[Any, None, Any]:
-    """The await of an event (``DeviceEvent.__await__``): at once if it is done;
-    else the stream is polled once; else the stream's future of the running
-    asyncio loop, or, outside asyncio, the engine's watcher. With the extension,
-    ``EventCore`` does the same in C and calls this only with no stream or no
-    asyncio loop. (``_wait_on`` and ``_outcome``, inline: the await's hot path.)"""
-    if not ev._done:
-        stream = ev._stream
-        if stream is None:
-            raise AsyncGPUError("this event was never recorded on a stream")
-        if not stream._poll(ev):
-            loop = _get_running_loop()
-            if loop is None:
-                yield from _await_other(ev).__await__()
-            else:
-                fut = stream._future(ev, loop)
-                if fut is not None:
-                    yield from fut
-    if ev._error is not None:
-        raise ev._error
-    return ev._value
+    """What the compiled await (``EventCore.__await__``, ``configure_await``)
+    hands back to Python: an event never recorded on a stream (an error), and an
+    await with no running asyncio loop (trio, through ``_await_other``). Every
+    other await (done at once, done after one poll, the reactor's future of the
+    running asyncio loop) stays in C."""
+    if ev._stream is None:
+        raise AsyncGPUError("this event was never recorded on a stream")
+    yield from _await_other(ev).__await__()
+    return ev._outcome()
 
 
 def _await_future(ev: DeviceEvent, fut: Any) -> Generator[Any, None, Any]:
@@ -173,17 +65,45 @@ def _await_future(ev: DeviceEvent, fut: Any) -> Generator[Any, None, Any]:
     return ev._outcome()
 
 
-class DeviceEvent(_EventBase):
+class DeviceEvent(native.EventCore):
     """Completion point of an operation on a stream (``await``-able).
 
     ``await event`` (asyncio or trio) returns the operation's value or raises its
     error and never blocks the event loop; ``synchronize()`` blocks the calling
     thread; ``query()`` never blocks.
+
+    Its fields, its ``__await__`` and its completion (``_finish``, called
+    exactly once from any thread; ``_add_waiter``, False if it is already done)
+    are the compiled ``EventCore``'s: the GIL alone makes each of them atomic.
     """
 
     __slots__ = ("__weakref__",)
 
-    _wake_waiters = _wake_all
+    _stream: Any  # the stream it was recorded on (None: never recorded)
+    _seq: int
+    _done: bool
+    _value: Any
+    _error: BaseException | None
+    _waiters: list[Any] | None
+    _keep: Any  # what the operation keeps alive until it is done
+    _lock: threading.Lock | None
+    _node: Any
+    _handle: Any  # backend object of a user event (a CUevent on CUDA)
+    _timing: Any  # user events: timing on, and the host stamp
+
+    def _wake_waiters(self, waiters: list[Any]) -> None:
+        """Wake the waiters of this finished event (``EventCore._finish`` calls
+        it): awaiting tasks first, then callbacks (which may start the stream's
+        next operation), so tasks wake in completion order."""
+        for w in waiters:
+            if type(w) is _LoopWaiter:
+                _wake(w)
+        for w in waiters:
+            if type(w) is not _LoopWaiter:
+                try:
+                    w(self)
+                except Exception as e:  # one broken callback must not strand the rest
+                    _report_callback_error(w, e)
 
     def _outcome(self) -> Any:
         if self._error is not None:
@@ -221,14 +141,9 @@ class DeviceEvent(_EventBase):
         if stream is not None:
             stream._watch(self)
 
-    # ``await event``: ``_await_event``, or the same in C (``EventCore``'s
-    # ``am_await``, which hands the awaiting task the reactor's future itself).
-    if TYPE_CHECKING:
+    if TYPE_CHECKING:  # (EventCore's: it hands the awaiting task the reactor's future)
 
         def __await__(self) -> Generator[Any, None, Any]: ...
-
-    elif native is None:
-        __await__ = _await_event
 
     def _wait_async(self) -> Generator[Any, None, None]:
         """Wait for completion without returning the outcome."""
@@ -323,7 +238,7 @@ class _UserEvent(DeviceEvent):
             self._point = None
             waiters, self._waiters = self._waiters, None
         if waiters:
-            _wake_all(self, waiters)
+            self._wake_waiters(waiters)
 
     def _wait_point(self) -> DeviceEvent | None:
         """What a wait enqueued now waits for (a snapshot: a later record does
@@ -337,7 +252,7 @@ class _UserEvent(DeviceEvent):
 _lock_guard = threading.Lock()
 
 
-def _new_lock(ev: _EventFields) -> threading.Lock:
+def _new_lock(ev: DeviceEvent) -> threading.Lock:
     with _lock_guard:
         if ev._lock is None:
             ev._lock = threading.Lock()
@@ -397,5 +312,6 @@ async def _await_other(ev: DeviceEvent) -> None:
     await done.wait()
 
 
-if native is not None:
-    native.configure_await(_get_running_loop, _await_event, _await_future)
+# What the compiled await calls: asyncio's running loop, and the Python awaits it
+# hands back (above).
+native.configure_await(_get_running_loop, _await_event, _await_future)

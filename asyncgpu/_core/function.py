@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .._accel import c_base
+from .._accel import native
 from .._types import DeviceAttribute, Dim, check_int
 
 if TYPE_CHECKING:
@@ -124,23 +124,12 @@ class ThreadBlock:
         return Idx3(n % block.x, (n // block.x) % block.y, n // (block.x * block.y))
 
 
-class _FunctionFields:
-    """The fields of a ``DeviceFunction`` that a launch reads: its context, its
-    backend's function and its validated launch configurations (in
-    ``asyncgpu._native.FunctionCore`` where the extension is built, which the C
-    ``enqueue_function`` reads directly)."""
-
-    __slots__ = ("_cfgs", "_ctx", "_impl")
-
-
-if TYPE_CHECKING:
-    _FunctionBase = _FunctionFields
-else:
-    _FunctionBase = c_base("FunctionCore", _FunctionFields)
-
-
-class DeviceFunction(_FunctionBase):
+class DeviceFunction(native.FunctionCore):
     """A function compiled for one device context.
+
+    Its context, its backend's function and its validated launch configurations
+    (``_ctx``, ``_impl``, ``_cfgs``) are fields of the compiled ``FunctionCore``,
+    which the C ``enqueue_function`` reads directly.
 
     ``asm`` holds the PTX when compiled with ``dump_asm`` (CUDA), ``sass`` the
     disassembly when the tools for it exist, ``log`` the compiler's log.

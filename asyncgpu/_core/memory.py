@@ -18,11 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._accel import c_base, native
+from .._accel import native
 from .._errors import ContextClosedError
 from .._types import check_int
 from .dlpack import array_interface, dlpack_device, export_dlpack, host_array
-from .view import _ContextBase
 
 if TYPE_CHECKING:
     from .event import DeviceEvent
@@ -109,24 +108,19 @@ class _Pointer:
         self._owner = None
 
 
-class _BufferFields:
-    """The fields of a buffer: its allocation (None once it no longer owns
-    memory), context, dtype, host view, owning stream, parent (of a sub-buffer),
-    address, length, size in bytes and whether it owns its memory. Dropping a
-    buffer gives its memory back (``_release_memory``)."""
+class _BufferBase(native.BufferCore):
+    """Shared behaviour of device and host buffers.
 
-    __slots__ = (
-        "_alloc",
-        "_ctx",
-        "_dtype",
-        "_hostbytes",
-        "_nbytes",
-        "_owner",
-        "_owns",
-        "_parent",
-        "_ptr",
-        "_size",
-    )
+    The fields are the compiled ``BufferCore``'s: its allocation (None once it
+    no longer owns memory), context, dtype, host view, owning stream, parent
+    (of a sub-buffer), address, length, size in bytes and whether it owns its
+    memory. The CUDA launch packs a buffer argument by reading them directly,
+    ``DeviceContext.enqueue_create_buffer`` makes a buffer on memory its stream
+    kept without Python, and a dropped device buffer gives its memory back to
+    its stream's kept buffers without Python (everything else through
+    ``_release_memory``, which ``BufferCore`` calls when it is dropped)."""
+
+    __slots__ = ("__weakref__",)
     _alloc: Any
     _ctx: ContextView
     _dtype: np.dtype[Any]
@@ -137,27 +131,6 @@ class _BufferFields:
     _parent: _BufferBase | None
     _ptr: int
     _size: int
-
-    def __del__(self) -> None:
-        self._release_memory()  # type: ignore[attr-defined]
-
-
-# In C where the extension is built (``asyncgpu._native.BufferCore``): the CUDA
-# launch packs a buffer argument by reading these fields directly,
-# ``DeviceContext.enqueue_create_buffer`` makes a buffer on memory its stream kept
-# without Python, and a dropped device buffer gives its memory back to its
-# stream's kept buffers without Python (everything else through
-# ``_release_memory``).
-if TYPE_CHECKING:
-    _BufferFieldsBase = _BufferFields
-else:
-    _BufferFieldsBase = c_base("BufferCore", _BufferFields)
-
-
-class _BufferBase(_BufferFieldsBase):
-    """Shared behaviour of device and host buffers."""
-
-    __slots__ = ("__weakref__",)
     _kind = "device"
 
     def __init__(
@@ -234,7 +207,7 @@ class _BufferBase(_BufferFieldsBase):
         copies are ordered on it. Its stream first waits for the old owner."""
         self._check()
 
-        if not isinstance(ctx, _ContextBase):
+        if not isinstance(ctx, native.ContextCore):  # (a DeviceContext)
             raise TypeError(
                 "reassign_ownership_to takes a DeviceContext (for a stream: "
                 f"stream.context()), not {type(ctx).__name__}"
@@ -319,8 +292,7 @@ class _BufferBase(_BufferFieldsBase):
 @atexit.register
 def _at_exit() -> None:
     _BufferBase._exiting = True
-    if native is not None:
-        native.set_exiting(True)
+    native.set_exiting(True)
 
 
 class DeviceBuffer(_BufferBase):

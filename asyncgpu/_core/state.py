@@ -1,6 +1,6 @@
 """What all views of one device context share (``_ContextState``), the
-reference a view holds (``_Ref``), and the fields of a view (``_ContextBase``,
-which ``DeviceContext`` extends).
+reference a view holds (``_Ref``); the fields of a view are the compiled
+``ContextCore``'s, which ``DeviceContext`` extends.
 
 The backend is handed in by the public face, which chose it (``_devices``): the
 core never names a device.
@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .._accel import c_base
+from .._accel import native
 from .._types import DeviceAttribute
 from .function import DeviceFunction
 from .protocols import Backend
@@ -23,20 +23,10 @@ from .trace import Trace
 __all__ = ["_ContextState", "_Ref"]
 
 
-class _StateFields:
-    """Where the C extension is built, a context state's ``closed`` and ``trace``
-    are fields of ``asyncgpu._native.StateCore``, which the C hot paths read
-    directly; here they are plain attributes."""
-
-
-if TYPE_CHECKING:
-    _StateBase = _StateFields
-else:
-    _StateBase = c_base("StateCore", _StateFields)
-
-
-class _ContextState(_StateBase):
-    """What all views (and copies) of one device context share."""
+class _ContextState(native.StateCore):
+    """What all views (and copies) of one device context share. ``closed`` and
+    ``trace`` are fields of the compiled ``StateCore``, which the C hot paths
+    read directly."""
 
     def __init__(self, api: str, device_id: int, num_streams: int, backend: Backend) -> None:
         self.api = api
@@ -107,21 +97,9 @@ class _ContextState(_StateBase):
                 self.backend.close()
 
 
-class _RefFields:
-    """Whether a reference is open (``asyncgpu._native.RefCore``'s field where the
-    C extension is built)."""
-
-    __slots__ = ("open",)
-
-
-if TYPE_CHECKING:
-    _RefBase = _RefFields
-else:
-    _RefBase = c_base("RefCore", _RefFields)
-
-
-class _Ref(_RefBase):
+class _Ref(native.RefCore):
     """One reference to a context state (a handle and the views made from it).
+    ``open`` (a field of the compiled ``RefCore``) says whether it is open;
     ``owner`` is a weak reference to the handle whose ``close`` releases it (a
     view's ``close`` does not, while that handle lives)."""
 

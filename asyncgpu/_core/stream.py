@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import sys
 import threading
 import time
 from collections import deque
@@ -27,7 +26,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from .._accel import c_base, hot_lock, native
+from .._accel import native
 from .._errors import DeviceError, DeviceFaultError
 from . import engine as _engine
 from . import pool as _pool
@@ -40,30 +39,6 @@ if TYPE_CHECKING:
     from .function import DeviceFunction
 
 __all__ = ["_HostResult", "_PolledStream", "_StreamImpl"]
-
-_getrefcount = sys.getrefcount
-
-
-# A polled stream's events in flight, oldest first: the extension's EventQueue
-# (a ring with the deque operations the streams use, which its launch and retire
-# reach without a method call) where it is built, else a deque.
-_new_inflight: Callable[[], deque[DeviceEvent]] = deque if native is None else native.EventQueue
-
-
-def _tail_refs(d: deque[Any]) -> int:
-    tail = d[-1]
-    return _getrefcount(tail)
-
-
-def _base_refs() -> int:
-    q: deque[Any] = _new_inflight()
-    q.append(object())
-    return _tail_refs(q)
-
-
-# References to a stream's last event that asyncgpu itself holds inside
-# _before_submit (the in-flight queue, the local name, getrefcount's argument).
-_BASE_REFS = _base_refs()
 
 
 class _HostResult:
@@ -255,19 +230,7 @@ class _HardwareQueues:
 _OWN_QUEUES = _HardwareQueues(0)  # for streams that share no queue
 
 
-class _StreamFields:
-    """Where the C extension is not built, a polled stream's fields are plain
-    attributes; its ``StreamCore`` holds the ones the CUDA launch fast path reads
-    and writes (``_seq``, ``_marked``, ``_inflight``, ...), under the same names."""
-
-
-if TYPE_CHECKING:
-    _StreamBase = _StreamFields
-else:
-    _StreamBase = c_base("StreamCore", _StreamFields)
-
-
-class _PolledStream(_StreamImpl, _StreamBase):
+class _PolledStream(native.StreamCore, _StreamImpl):
     """A stream whose completions are learned by polling markers.
 
     Every operation gets a sequence number. A *marker* placed after operation
@@ -282,6 +245,21 @@ class _PolledStream(_StreamImpl, _StreamBase):
 
     Subclasses implement ``_place_marker`` (under ``_submit_lock``: a marker for
     everything submitted so far) and ``_completed``.
+
+    The bookkeeping fields (``_seq``, ``_marked``, ``_awaited``, ``_eager``,
+    ``_inflight``, the locks, ...) are the compiled ``StreamCore``'s (the first
+    base, so that its methods come before the push-style ones of ``_StreamImpl``), which the
+    CUDA launch reads and writes directly, and so are ``_poll`` (whether an
+    event is done: a marker covering it through ``_need``, counted as awaited,
+    then ``_retire`` if the markers have passed it), ``_retire`` (finish, in
+    order, every event the markers have passed, a kernel, copy or memset in C
+    and host work through ``_finish_retired``; True when nothing is left in
+    flight) and ``_before_submit``. That one is called under ``_submit_lock``
+    before a new operation is submitted: it marks the stream's last operation
+    now if the user still holds its event (it may be awaited later, and a
+    marker placed later would also wait for the new operation), or if
+    ``MARK_EVERY`` operations went unmarked; and it leaves eager mode when the
+    last operation was neither awaited nor is still held.
 
     Held submission: work enqueued behind host work (a CPU function, a staged
     copy) is not handed to the driver until that host work has finished. While
@@ -306,11 +284,13 @@ class _PolledStream(_StreamImpl, _StreamBase):
         self._awaited = 0  # highest sequence number awaited or called back
         self._eager = False  # place a marker after every operation
         self._touched = False  # submitted to since the watcher's last sweep
-        self._inflight: deque[DeviceEvent] = _new_inflight()
-        # Re-entrant: interop helpers submit under a caller's hold of it. (Both
-        # are the extension's RLock where it is built: its C code takes them.)
-        self._submit_lock = hot_lock()
-        self._retire_lock = hot_lock()
+        # (the extension's ring of events, oldest first, with the deque operations
+        # the streams use, which its launch and retire reach without a method call)
+        self._inflight = native.EventQueue()
+        # Re-entrant: interop helpers submit under a caller's hold of it. (The
+        # extension's RLock: its C code takes them without a Python call.)
+        self._submit_lock = native.RLock()
+        self._retire_lock = native.RLock()
         self._fault: BaseException | None = None
         self._pending: deque[Any] | None = None  # not None: held (see the class doc)
         self._issued_mark = 0
@@ -353,23 +333,6 @@ class _PolledStream(_StreamImpl, _StreamBase):
                 if ev._seq > self._marked and not ev._done:
                     self._place_marker()
 
-    def _before_submit(self) -> None:
-        """Called under ``_submit_lock`` before a new operation is submitted: mark
-        the stream's last operation now if the user still holds its event (it may
-        be awaited later, and a marker placed later would also wait for the new
-        operation), or if too many operations went unmarked; leave eager mode when
-        the last operation was neither awaited nor is still held."""
-        inflight = self._inflight
-        if inflight:
-            tail = inflight[-1]
-            if tail._seq > self._marked:
-                if _getrefcount(tail) > _BASE_REFS or tail._seq - self._marked >= self.MARK_EVERY:
-                    self._place_marker()
-            elif self._eager and tail._seq > self._awaited and _getrefcount(tail) <= _BASE_REFS:
-                self._eager = False  # nobody awaited or kept the last event: go lazy
-        elif self._eager and self._seq > self._awaited:
-            self._eager = False  # drained, and its last operation was not awaited
-
     def tail(self) -> DeviceEvent | None:
         inflight = self._inflight
         try:
@@ -377,46 +340,14 @@ class _PolledStream(_StreamImpl, _StreamBase):
         except IndexError:
             return None
 
-    def _retire(self) -> bool:
-        """Finish, in order, every event the markers have passed. Returns True when
-        nothing is left in flight. (In C where the extension is built: below.)"""
-        with self._retire_lock:
-            c = self._completed()
-            inflight = self._inflight
-            done = []
-            while inflight and inflight[0]._seq <= c:
-                done.append(inflight.popleft())
-            empty = not inflight
-        for ev in done:
-            self._finish_retired(ev)
-        return empty
-
-    if not TYPE_CHECKING and native is not None:
-        # The same in C: it finishes a retired kernel, copy or memset itself
-        # (calling Python only to wake its waiters), and an event with a value
-        # (host work) through _finish_retired.
-        _retire = native.StreamCore._retire
-
     def _finish_retired(self, ev: DeviceEvent) -> None:
+        """Finish a retired event that ``_retire`` hands back (host work, whose
+        value is its staged result, or an event with a lock)."""
         v = ev._value
         if type(v) is _HostResult:  # host work (CUDA): its staged result
             ev._finish(v.value, v.error)
         else:
             ev._finish(v, ev._error)
-
-    def _poll(self, ev: DeviceEvent) -> bool:
-        if ev._seq > self._marked:
-            self._need(ev)
-        elif ev._seq > self._awaited:
-            self._awaited = ev._seq  # marked already, and asked for: keep eager
-        if self._completed() >= ev._seq:
-            # Another thread's retire may have taken ``ev`` and not yet finished
-            # it: only ``ev._done`` says its value is there.
-            self._retire()
-        return ev._done
-
-    if not TYPE_CHECKING and native is not None:
-        _poll = native.StreamCore._poll  # the same, in C
 
     def _watch(self, ev: DeviceEvent) -> None:
         self._need(ev)

@@ -31,10 +31,6 @@ GOOD = [
     (_config.read_num_streams, "ASYNCGPU_NUM_STREAMS", " 32 ", 32),
     (_config.read_trace, "ASYNCGPU_TRACE", "", None),
     (_config.read_trace, "ASYNCGPU_TRACE", "/tmp/t.json", "/tmp/t.json"),
-    (_config.read_native, "ASYNCGPU_NATIVE", "", True),
-    (_config.read_native, "ASYNCGPU_NATIVE", "0", False),
-    (_config.read_native, "ASYNCGPU_NATIVE", "1", True),
-    (_config.read_native, "ASYNCGPU_NATIVE", "False", False),
     (_config.read_wake_budget_s, "ASYNCGPU_WAKE_BUDGET_MS", "", 0.0002),
     (_config.read_wake_budget_s, "ASYNCGPU_WAKE_BUDGET_MS", "0.1", 0.0001),
     (_config.read_wake_budget_s, "ASYNCGPU_WAKE_BUDGET_MS", " 1.5 ", 0.0015),
@@ -76,7 +72,6 @@ BAD = [
     (_config.read_num_streams, "ASYNCGPU_NUM_STREAMS", "0"),
     (_config.read_num_streams, "ASYNCGPU_NUM_STREAMS", "-3"),
     (_config.read_num_streams, "ASYNCGPU_NUM_STREAMS", "2.5"),
-    (_config.read_native, "ASYNCGPU_NATIVE", "maybe"),
     (_config.read_wake_budget_s, "ASYNCGPU_WAKE_BUDGET_MS", "fast"),
     (_config.read_wake_budget_s, "ASYNCGPU_WAKE_BUDGET_MS", "0"),
     (_config.read_wake_budget_s, "ASYNCGPU_WAKE_BUDGET_MS", "-1"),
@@ -127,7 +122,7 @@ def test_the_api_error_keeps_its_wording() -> None:
 def test_the_settings_of_the_process_are_frozen_and_replaced_whole() -> None:
     s = _config.Settings.from_env({})
     with pytest.raises(dataclasses.FrozenInstanceError):
-        s.native = False  # type: ignore[misc]
+        s.load_wait_s = 1.0  # type: ignore[misc]
     t = s.replace(load_wait_s=1.0)
     assert t.load_wait_s == 1.0 and s.load_wait_s == 30.0
     assert dataclasses.replace(t, load_wait_s=30.0) == s
@@ -208,7 +203,7 @@ def _table_rows(text: str) -> set[str]:
 
 def test_the_module_table_lists_every_variable_read() -> None:
     read = _variables_read()
-    assert len(read) == 13
+    assert len(read) == 12
     assert _table_rows(_config.__doc__ or "") == read
 
 

@@ -183,15 +183,6 @@ def test_a_driver_without_the_hot_path_entry_points_leaves_cuda_bindings_in_char
     assert _driver._native is None
 
 
-def test_asyncgpu_native_0_leaves_cuda_bindings_in_charge(monkeypatch) -> None:
-    monkeypatch.setattr(_driver, "_native", None)
-    monkeypatch.setattr(_config, "SETTINGS", _config.SETTINGS.replace(native=False))
-    asked: list[object] = []
-    monkeypatch.setattr(_driver.cu, "cuGetProcAddress", lambda *a: asked.append(a))
-    _backend._bind_native()
-    assert _driver._native is None and asked == []
-
-
 class _Streamish:
     """Enough of a CudaStream for the hardware-queue count."""
 

@@ -12,21 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import gc
-import os
 import weakref
 from typing import Any
 
 import pytest
 
-if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
-    from asyncgpu import _native
-else:
-    _native = pytest.importorskip("asyncgpu._native", reason="the C extension is not built")
-
-from asyncgpu._accel import native
+from asyncgpu import _native
 from asyncgpu._core import engine as _engine
-
-pytestmark = pytest.mark.skipif(native is None, reason="asyncgpu runs without the extension")
 
 where = contextvars.ContextVar("where", default="outside")
 

@@ -4,24 +4,18 @@ method call. It offers the deque operations the streams use (``append``,
 ``popleft``, ``clear``, ``len``, ``q[i]`` with negative ``i`` from the end,
 iteration, truth) and behaves like a ``collections.deque`` in each of them,
 across the ring's growth, wrap-around and shrinking; a polled stream keeps its
-events in one wherever the extension is built."""
+events in one."""
 
 from __future__ import annotations
 
 import gc
-import os
 import weakref
 from collections import deque
 from typing import Any
 
 import pytest
 
-if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
-    from asyncgpu import _native
-else:
-    _native = pytest.importorskip("asyncgpu._native", reason="the C extension is not built")
-
-from asyncgpu._accel import native
+from asyncgpu import _native
 
 
 class Item:
@@ -167,6 +161,10 @@ def test_the_queue_cannot_be_subclassed() -> None:
 
 
 def test_a_polled_stream_keeps_its_events_in_flight_in_an_event_queue() -> None:
-    from asyncgpu._core.stream import _new_inflight
+    from types import SimpleNamespace
 
-    assert _new_inflight is (deque if native is None else _native.EventQueue)
+    from asyncgpu._core.stream import _PolledStream
+
+    s = _PolledStream(SimpleNamespace(api="test", device_id=0), 0, 0)
+    assert type(s._inflight) is _native.EventQueue
+    assert type(s._submit_lock) is _native.RLock and type(s._retire_lock) is _native.RLock

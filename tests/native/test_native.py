@@ -4,28 +4,20 @@ given. What must hold: the arguments land in the parameter memory exactly as
 the kernel reads them, the launch geometry and stream reach the driver as
 given, an argument that is not the plan's launches nothing, and a marker
 follows a launch only when asked for and only when the launch succeeded.
-
-The extension is optional (asyncgpu falls back to cuda.bindings without it);
-CI builds it and sets ASYNCGPU_REQUIRE_NATIVE=1, so there it must be present.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-
-if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
-    from asyncgpu import _native
-else:
-    _native = pytest.importorskip("asyncgpu._native", reason="the C extension is not built")
-
 from _stand_in_driver import Driver, bound_stand_in
+
+from asyncgpu import _native
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ keeps it, and to ``_release_memory`` otherwise.
 from __future__ import annotations
 
 import gc
-import os
 import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -24,25 +23,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _stand_in_driver import Driver, bound_stand_in
+from test_native_stream import Stream
 
-from asyncgpu import DeviceBuffer, DeviceContext, DeviceEvent, DeviceFunction
+from asyncgpu import DeviceBuffer, DeviceContext, DeviceEvent, DeviceFunction, _native
 from asyncgpu._core.memory import _BufferBase
 from asyncgpu._core.state import _Ref
 from asyncgpu._devices.cuda import memory as _memory
 from asyncgpu._devices.cuda import stream as _stream
-
-if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
-    from asyncgpu import _native
-else:
-    _native = pytest.importorskip("asyncgpu._native", reason="the C extension is not built")
-
-from _stand_in_driver import Driver, bound_stand_in
-from test_native_stream import Stream
-
-pytestmark = pytest.mark.skipif(
-    not issubclass(DeviceContext, _native.ContextCore),
-    reason="asyncgpu runs without the extension",
-)
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -29,22 +28,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from asyncgpu import DeviceError, DeviceEvent
-from asyncgpu._devices.cuda import launch as _launch
-from asyncgpu._devices.cuda import stream as _stream
-
-if os.environ.get("ASYNCGPU_REQUIRE_NATIVE") == "1":
-    from asyncgpu import _native
-else:
-    _native = pytest.importorskip("asyncgpu._native", reason="the C extension is not built")
-
 from _stand_in_driver import Driver, bound_stand_in
 from test_native import DIMS, Buf
 
-pytestmark = pytest.mark.skipif(
-    not issubclass(DeviceEvent, _native.EventCore), reason="asyncgpu runs without the extension"
-)
+from asyncgpu import DeviceError, DeviceEvent, _native
+from asyncgpu._devices.cuda import launch as _launch
+from asyncgpu._devices.cuda import stream as _stream
 
 
 class _Function:

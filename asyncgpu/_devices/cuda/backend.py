@@ -83,7 +83,7 @@ def _init_driver() -> int:
 
 def _bind_native() -> None:
     native = _accel.native
-    if _driver._native is not None or native is None or not _config.SETTINGS.native:
+    if _driver._native is not None or native is None:
         return
     try:
         native.bind(

@@ -455,7 +455,7 @@ class CudaStream(_PolledStream):
             return self._staged_copy(dst, src, nbytes, keep)
         ev = self._copy_c(dst._ptr, src._ptr, nbytes, keep)
         if ev is not None:
-            return ev  # type: ignore[no-any-return]
+            return ev  # type: ignore[return-value]
         with self._submit_lock:
             self._before_submit()
             if nbytes:
