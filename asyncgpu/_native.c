@@ -2530,12 +2530,35 @@ static int param_addrs(PyObject *mem, unsigned long long *addr, unsigned long lo
     return rc;
 }
 
+/* The event of operation `seq` just submitted to `s` (keeping `keep` alive),
+ * appended to the stream's in-flight queue: directly to an EventQueue, else
+ * through the cached append of the deque. */
+static PyObject *new_inflight_event(StreamCore *s, long long seq, PyObject *keep) {
+    PyObject *o, *ev = event_new_of(event_type, (PyObject *)s, seq, keep);
+    if (ev == NULL)
+        return NULL;
+    if (is_queue(s->inflight)) {
+        if (queue_push((EventQueue *)s->inflight, ev)) {
+            Py_DECREF(ev);
+            return NULL;
+        }
+    } else {
+        o = PyObject_CallFunctionObjArgs(s->append, ev, NULL);
+        if (o == NULL) {
+            Py_DECREF(ev);
+            return NULL;
+        }
+        Py_DECREF(o);
+    }
+    return ev;
+}
+
 /* The launch proper, under the stream's submit lock: a new event, None (the
  * general path takes it), or NULL with an exception. */
 static PyObject *launch_locked(StreamCore *s, unsigned long long func, const unsigned long long d[7],
                                PyObject *plan, PyObject *codes, PyObject *argt,
                                PyObject *open_state) {
-    PyObject *mem, *o, *ev;
+    PyObject *mem, *ev;
     unsigned long long addr = 0, ptrs = 0;
     long long seq;
     Py_ssize_t nargs = PyTuple_Size(argt);
@@ -2592,22 +2615,9 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
     }
     s->seq = seq;
     s->after_copy = 0;
-    ev = event_new_of(event_type, (PyObject *)s, seq, argt);
+    ev = new_inflight_event(s, seq, argt);
     if (ev == NULL)
         return NULL;
-    if (is_queue(s->inflight)) {
-        if (queue_push((EventQueue *)s->inflight, ev)) {
-            Py_DECREF(ev);
-            return NULL;
-        }
-    } else {
-        o = PyObject_CallFunctionObjArgs(s->append, ev, NULL);
-        if (o == NULL) {
-            Py_DECREF(ev);
-            return NULL;
-        }
-        Py_DECREF(o);
-    }
     if (event_marker) {
         if (record_marker(s, seq)) {
             Py_DECREF(ev);
@@ -2787,7 +2797,7 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
  * stream is held: the Python path queues the copy), or NULL with an exception. */
 static PyObject *copy_locked(StreamCore *s, unsigned long long dst, unsigned long long src,
                              unsigned long long nbytes, PyObject *keep) {
-    PyObject *ev, *o;
+    PyObject *ev;
     long long seq;
     int err = 0;
     if (!is_none(s->pending))
@@ -2814,22 +2824,9 @@ static PyObject *copy_locked(StreamCore *s, unsigned long long dst, unsigned lon
     }
     seq = s->seq + 1;
     s->seq = seq;
-    ev = event_new_of(event_type, (PyObject *)s, seq, keep);
+    ev = new_inflight_event(s, seq, keep);
     if (ev == NULL)
         return NULL;
-    if (is_queue(s->inflight)) {
-        if (queue_push((EventQueue *)s->inflight, ev)) {
-            Py_DECREF(ev);
-            return NULL;
-        }
-    } else {
-        o = PyObject_CallFunctionObjArgs(s->append, ev, NULL);
-        if (o == NULL) {
-            Py_DECREF(ev);
-            return NULL;
-        }
-        Py_DECREF(o);
-    }
     if (s->eager && call_method0((PyObject *)s, s_place_marker)) {
         Py_DECREF(ev);
         return NULL;

@@ -1,24 +1,11 @@
-"""A recorded ``Trace`` as a timeline picture (and, re-exported from
-``asyncgpu._core.trace_json``, as Chrome/Perfetto trace JSON).
+"""A recorded ``Trace`` as a timeline picture.
 
-``write_chrome_trace`` writes the JSON Object Format of the Trace Event Format,
-which ``ui.perfetto.dev`` and ``chrome://tracing`` open:
-
-* one process per device context (the part of a stream label before ``/``, e.g.
-  ``cuda:0``) and one thread lane per stream (``s0``, ``s1``, ...), named with
-  ``process_name`` / ``thread_name`` metadata events;
-* one complete event (``"ph": "X"``) per operation, from its ``start_ns`` to its
-  ``end_ns`` (``submit_ns`` where those are missing), in microseconds relative to
-  ``Trace.t0_ns``; ``args`` carry the node id, stream, kind, nbytes, deps and
-  error;
-* one flow (``"ph": "s"`` on the source, ``"ph": "f"`` on the destination, sharing
-  an ``id``) for every cross-stream ``wait`` edge, so the viewers draw an arrow.
-
-``draw_timeline`` draws the same picture with matplotlib (the ``plot`` extra:
-``pip install asyncgpu[plot]``): one horizontal lane per stream, a bar per
-operation coloured by kind, an arrow per cross-stream wait, time in ms. It
-takes a ``Trace``, a path to a JSON file written by ``write_chrome_trace``, or
-that file's loaded ``dict``.
+``draw_timeline`` draws with matplotlib (the ``plot`` extra: ``pip install
+asyncgpu[plot]``) one horizontal lane per stream, a bar per operation coloured
+by kind, an arrow per cross-stream wait, time in ms. It takes a ``Trace``, a
+path to a JSON file written by ``write_chrome_trace``, or that file's loaded
+``dict``. The JSON itself (its format is described in
+``asyncgpu._core.trace_json``) is re-exported here for the command line.
 """
 
 from __future__ import annotations
