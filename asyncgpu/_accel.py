@@ -3,9 +3,10 @@ needs (``pip install`` builds it; an install that cannot build it fails).
 
 Events, polled streams, buffers, functions, context states and views keep
 their fields in its C types (``EventCore``, ``StreamCore``, ``BufferCore``,
-``FunctionCore``, ``StateCore``, ``RefCore``, ``ContextCore``), which the
-classes of the core and the public face subclass; the CUDA backend also binds
-its driver calls (``bind``), which it does only once a driver has initialised.
+``FunctionCore``, ``StateCore``, ``RefCore``, ``ContextCore``; the CUDA
+device's ``KernelCore`` and ``SpareCore``), which the classes of the core, the
+public face and the CUDA device subclass; the CUDA backend also binds its
+driver calls (``bind``), which it does only once a driver has initialised.
 """
 
 from __future__ import annotations
@@ -35,17 +36,3 @@ if TYPE_CHECKING:  # (its types: _native.pyi)
     from . import _native as native
 else:
     native = _load()
-
-
-def c_base(name: str, fallback: type) -> type:
-    """The C type ``name`` of the extension (``fallback`` is no longer used: the
-    extension is required). Only the CUDA device package still calls this; its
-    classes subclass the C types directly next."""
-    return getattr(native, name)  # type: ignore[no-any-return]
-
-
-def hot_lock() -> Any:
-    """The extension's ``RLock`` (re-entrant, with ``threading.RLock``'s
-    methods), which its C code takes and gives back without a Python call. Only
-    the CUDA device package still calls this; it makes ``native.RLock()`` next."""
-    return native.RLock()

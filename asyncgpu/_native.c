@@ -307,8 +307,9 @@ typedef struct {
 
 static PyTypeObject *function_core_type = NULL;
 
-/* KernelCore: the field of a compiled CUDA function (_cuda._CudaFunction
- * subclasses it) that every launch reads: the argument plan of its last launch. */
+/* KernelCore: the field of a compiled CUDA function that every launch reads: the
+ * argument plan of its last launch (asyncgpu._devices.cuda.launch._CudaFunction
+ * subclasses it). */
 typedef struct {
     PyObject_HEAD
     PyObject *last;
@@ -2872,14 +2873,14 @@ static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ss
 
 /* ---------------------------------------------------------------------------------
  * SpareCore: the device buffers one stream keeps for its next allocation of the
- * same size (asyncgpu._cuda._SpareBuffers subclasses it; the rules are documented
+ * same size (asyncgpu._devices.cuda.memory._SpareBuffers subclasses it; the rules are documented
  * there), in a small table of sizes: no Python object is made or looked up to
  * keep or take one. take and keep run no Python code between looking and
  * changing, so the GIL makes them atomic: a buffer's finalizer may keep memory
  * from any thread, even while this thread is inside a take (garbage collection).
  */
 static PyObject *s_alloc_ptr; /* "ptr" (set at module init) */
-#define SPARE_SIZES 16   /* sizes kept at once */
+#define SPARE_SIZES 16   /* sizes kept at once (the module exports it: memory.py reads it) */
 #define SPARE_PER_SIZE 8 /* the most per_size may be */
 
 typedef struct {
@@ -3123,7 +3124,7 @@ static PyType_Slot spare_slots[] = {
     {Py_tp_clear, (void *)spare_clear},
     {Py_tp_dealloc, (void *)spare_dealloc},
     {Py_tp_doc, "SpareCore(room, per_size): the device buffers a stream keeps "
-                "(asyncgpu._cuda._SpareBuffers subclasses this)."},
+                "(asyncgpu._devices.cuda.memory._SpareBuffers subclasses this)."},
     {0, NULL},
 };
 
@@ -3205,7 +3206,8 @@ static PyType_Slot kernel_slots[] = {
     {Py_tp_clear, (void *)kernel_clear},
     {Py_tp_dealloc, (void *)kernel_dealloc},
     {Py_tp_doc, "The field of a compiled CUDA function that every launch reads: the "
-                "argument plan of its last launch (asyncgpu._cuda subclasses this)."},
+                "argument plan of its last launch (asyncgpu._devices.cuda.launch._CudaFunction "
+                "subclasses this)."},
     {0, NULL},
 };
 
@@ -3490,6 +3492,37 @@ static int same_dims(PyObject *a, PyObject *b) {
     return 1;
 }
 
+/* The key of a launch configuration in a function's cache (f._cfgs): the only
+ * place it is built (launch_key below is DeviceContext._enqueue_function's).
+ * attributes: a sequence of hashable launch attributes. A new reference, or NULL
+ * with an exception. */
+static PyObject *make_launch_key(PyObject *grid, PyObject *block, PyObject *cluster,
+                                 PyObject *shmem, PyObject *attributes) {
+    PyObject *attrs, *key;
+    if (PyTuple_CheckExact(attributes)) {
+        Py_INCREF(attributes);
+        attrs = attributes;
+    } else {
+        attrs = PySequence_Tuple(attributes);
+        if (attrs == NULL)
+            return NULL;
+    }
+    key = PyTuple_Pack(5, grid, block, cluster, shmem, attrs);
+    Py_DECREF(attrs);
+    return key;
+}
+
+/* launch_key(grid, block, cluster, shared_mem, attributes) -> the key of a
+ * launch configuration in DeviceFunction._cfgs (make_launch_key). */
+static PyObject *launch_key(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "launch_key(grid, block, cluster, shared_mem, attributes)");
+        return NULL;
+    }
+    return make_launch_key(args[0], args[1], args[2], args[3], args[4]);
+}
+
 /* The cached launch configuration of f for (grid, block), validated by an
  * earlier general call (a new reference), or NULL: none yet (no exception set)
  * or an error. The last one looked up is kept on f: an entry of f._cfgs never
@@ -3502,7 +3535,7 @@ static PyObject *cached_config(FunctionCore *f, PyObject *grid, PyObject *block)
     }
     if (f->cfgs == NULL || !PyDict_Check(f->cfgs))
         return NULL;
-    key = PyTuple_Pack(4, grid, block, Py_None, Py_None);
+    key = make_launch_key(grid, block, Py_None, Py_None, empty_tuple);
     if (key == NULL)
         return NULL;
     cfg = PyDict_GetItemWithError(f->cfgs, key); /* borrowed */
@@ -3991,6 +4024,10 @@ static PyMethodDef methods[] = {
      "configure_await(get_running_loop, await_event, await_future): what an event's await "
      "calls: asyncio._get_running_loop, and the Python awaits of an event (no stream, no "
      "asyncio loop) and of an event behind a future that is not a DirectFuture."},
+    {"launch_key", (PyCFunction)(void (*)(void))launch_key, METH_FASTCALL,
+     "launch_key(grid, block, cluster, shared_mem, attributes) -> the key of a launch "
+     "configuration in a function's cache (_cfgs), as the compiled enqueue_function "
+     "looks it up."},
     {"set_exiting", set_exiting, METH_O,
      "set_exiting(flag): the interpreter is exiting: dropped buffers keep no memory."},
     {NULL, NULL, 0, NULL},
@@ -4118,6 +4155,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(event_queue_type);
     Py_INCREF(direct_future_type);
     if (PyModule_AddIntConstant(m, "MARKER_FAILED", MARKER_FAILED) < 0 ||
+        PyModule_AddIntConstant(m, "SPARE_SIZES", SPARE_SIZES) < 0 ||
         PyModule_AddObject(m, "EventCore", (PyObject *)event_core_type) < 0 ||
         PyModule_AddObject(m, "StreamCore", (PyObject *)stream_core_type) < 0 ||
         PyModule_AddObject(m, "BufferCore", (PyObject *)buffer_core_type) < 0 ||

@@ -1,9 +1,10 @@
 # The C extension asyncgpu._native (see _native.c): the compiled hot path asyncgpu needs.
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextvars import Context
 from typing import Any
 
 MARKER_FAILED: int
+SPARE_SIZES: int
 
 def bind(
     launch_entry: int,
@@ -194,6 +195,14 @@ class RLock:
 def configure_buffers(
     device_buffer_type: type, function_type: type, as_dtype: object, numpy_dtype: type, /
 ) -> None: ...
+def launch_key(
+    grid: object,
+    block: object,
+    cluster: object,
+    shared_mem: object,
+    attributes: Sequence[object],
+    /,
+) -> tuple[object, ...]: ...
 def configure_scalars(codes: bytes, samples: tuple[object, ...], /) -> bytes: ...
 def configure_futures(
     copy_context: Callable[[], Context], cancelled_error: type, invalid_state_error: type, /

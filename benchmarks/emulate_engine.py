@@ -20,7 +20,6 @@ import asyncio
 import ctypes
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -130,8 +129,6 @@ def stream(index: int) -> Any:
     s._counter = ctypes.c_uint64(0)
     s.h, s.caddr = 0x5EA0 + index, ctypes.addressof(s._counter)
     s._counter_in_c, s._kernel_event_markers = True, False
-    s._completed_slow = s._completed_counter
-    s._completed = s._completed_fast
     s._write_marker = lambda seq: _accel.native.write64(s.h, s.caddr, seq)
     s._query_fault = lambda: None
     s._param_mem, s.label = {}, f"stub:0/s{index}"
@@ -162,15 +159,14 @@ def function(ctx: DeviceContext, f: Any, grid: int, block: int) -> DeviceFunctio
     """A DeviceFunction of ``ctx`` on the stand-in function ``f`` (see ``kernel``),
     its launch configuration for ``grid`` x ``block`` validated."""
     fn = DeviceFunction(ctx, "stub", f)
-    fn._cfgs[(grid, block, None, None)] = f
+    fn._cfgs[_accel.native.launch_key(grid, block, None, None, ())] = f
     return fn
 
 
 def kernel(streams: list[Any], args: tuple[Any, ...], codes: bytes) -> Any:
     """A function whose last plan is ``args``' types, with parameter memory on
     every stream; it is also its own compiled code and launch configuration."""
-    plan = _launch._ArgPlan((), struct.Struct("<" + "Q" * len(args)), tuple(map(type, args)))
-    plan.codes = codes
+    plan = _launch._ArgPlan((), tuple(map(type, args)), codes)
     for s in streams:
         s._param_mem[plan] = _launch._ParamMemory(8 * len(args))
     f = _StubKernel()
@@ -178,7 +174,7 @@ def kernel(streams: list[Any], args: tuple[Any, ...], codes: bytes) -> Any:
     return f
 
 
-class _StubKernel(_launch._KernelBase):
+class _StubKernel(_accel.native.KernelCore):
     """A stand-in for ``_CudaFunction``: its ``last`` plan in the extension's
     ``KernelCore``, as the launch reads it, and the handle and dimensions."""
 

@@ -672,16 +672,13 @@ class DeviceContext(native.ContextCore):
             and (cluster_dim is None or _int_dims(cluster_dim))
             and (shared_mem_bytes is None or type(shared_mem_bytes) is int)
         ):
-            # (without attributes, a plain tuple: the usual launch's hot path)
-            if attributes:
-                if not all(isinstance(a, LaunchAttribute) for a in attributes):
-                    # (raises the TypeError that names them, before they are hashed)
-                    self._launch_config(
-                        f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
-                    )
-                key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes, *attributes)
-            else:
-                key = (grid_dim, block_dim, cluster_dim, shared_mem_bytes)
+            if attributes and not all(isinstance(a, LaunchAttribute) for a in attributes):
+                # (raises the TypeError that names them, before they are hashed)
+                self._launch_config(
+                    f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
+                )
+            # The key as the compiled enqueue_function looks it up (built in C only).
+            key = native.launch_key(grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes)
             cfg = f._cfgs.get(key)
             if cfg is None:
                 cfg = f._cfgs[key] = self._launch_config(

@@ -462,6 +462,7 @@ def test_a_buffer_copy_reaches_the_stream_in_three_python_calls(ctx: DeviceConte
     buffers, inline), then the stream's ``copy``: on CUDA that is one compiled
     call down to ``cuMemcpyAsync`` (``tests/native/test_native_stream.py``), so a
     copy reaches the driver in four Python frames."""
+    import gc
     import sys
 
     src = ctx.enqueue_create_buffer(np.float32, 64)
@@ -473,10 +474,12 @@ def test_a_buffer_copy_reaches_the_stream_in_three_python_calls(ctx: DeviceConte
         if event == "call" and called[-1:] != ["<stream copy>"]:
             called.append("<stream copy>" if frame.f_code is copy else frame.f_code.co_name)
 
+    gc.disable()  # (a collection here would run other libraries' gc callbacks)
     sys.setprofile(profile)
     try:
         ev = ctx.enqueue_copy(dst, src)
     finally:
         sys.setprofile(None)
+        gc.enable()
     ev.synchronize()
     assert called == ["enqueue_copy", "_copy", "copy_operands", "<stream copy>"]

@@ -120,22 +120,24 @@ def test_kernel_arguments_are_checked_once_per_type_tuple() -> None:
 
     impl = _Impl((4, 8, 8))
     args = (np.float32(2), _Cai(0x1000), _Cai(0x2000))
-    out, plan = _launch._kernel_args(impl, args, None)
-    assert list(out) == [np.float32(2), 0x1000, 0x2000] and plan.foreign
+    plan = _launch._plan(impl, args)
+    assert impl.last is plan and plan.foreign and plan.codes is None
+    assert list(_launch._kernel_args(plan, args)) == [np.float32(2), 0x1000, 0x2000]
     assert len(impl.plans) == 1
     again = (np.float32(3), _Cai(0x3000), _Cai(0x4000))  # same types: the cached plan
-    assert list(_launch._kernel_args(impl, again, None)[0]) == [np.float32(3), 0x3000, 0x4000]
+    assert _launch._plan(impl, again) is plan
+    assert list(_launch._kernel_args(plan, again)) == [np.float32(3), 0x3000, 0x4000]
     assert len(impl.plans) == 1
     scalars = (np.float32(1),)
     with pytest.raises(TypeError, match="takes 3 arguments, 1 given"):
-        _launch._kernel_args(impl, scalars, None)
+        _launch._plan(impl, scalars)
     with pytest.raises(TypeError, match="argument 0 is 4 bytes, but float64 is 8 bytes"):
-        _launch._kernel_args(impl, (np.float64(1), _Cai(1), _Cai(2)), None)
+        _launch._plan(impl, (np.float64(1), _Cai(1), _Cai(2)))
     with pytest.raises(TypeError, match="Python float"):
-        _launch._kernel_args(impl, (1.5, _Cai(1), _Cai(2)), None)
+        _launch._plan(impl, (1.5, _Cai(1), _Cai(2)))
     with pytest.raises(TypeError, match="pageable host memory"):
-        _launch._kernel_args(impl, (np.float32(1), np.zeros(2), _Cai(2)), None)
-    assert len(impl.plans) == 1  # a rejected tuple of types is not cached
+        _launch._plan(impl, (np.float32(1), np.zeros(2), _Cai(2)))
+    assert len(impl.plans) == 1 and impl.last is plan  # a rejected tuple of types is not cached
 
 
 def test_scalar_only_arguments_pass_through_unchanged() -> None:
@@ -143,43 +145,45 @@ def test_scalar_only_arguments_pass_through_unchanged() -> None:
 
     impl = _Impl(None)  # a kernel loaded from a cubin: no signature known
     args = (np.int32(1), np.int64(2))
-    out, plan = _launch._kernel_args(impl, args, None)
-    assert out is args and not plan.foreign
-    assert plan.packer is None  # no signature: no fast packing (cuda.core's launch)
+    plan = _launch._plan(impl, args)
+    assert _launch._kernel_args(plan, args) is args and not plan.foreign
+    assert plan.codes is None  # no signature: the compiled launch does not pack (cuda.core's)
 
 
-def test_plain_arguments_are_packed_8_bytes_apart_for_cuLaunchKernel() -> None:
+def test_plain_arguments_get_the_codes_the_compiled_launch_packs_by() -> None:
     import numpy as np
 
-    impl = _Impl((4, 8, 8, 4))  # axpy(float a, const float* x, float* y, int n)
-    args = (np.float32(1.5), _Cai(0x1000), _Cai(0x2000), np.int32(-7))
-    out, plan = _launch._kernel_args(impl, args, None)
-    assert plan.packer is not None and plan.packer.size == 32
-    mem = _launch._ParamMemory(plan.packer.size)
-    plan.packer.pack_into(mem.data, 0, *out)
-    raw = bytes(mem.data)
-    assert np.frombuffer(raw[0:4], np.float32)[0] == np.float32(1.5)
-    assert np.frombuffer(raw[8:24], np.uint64).tolist() == [0x1000, 0x2000]
-    assert np.frombuffer(raw[24:28], np.int32)[0] == -7
-    pointers = (ctypes.c_uint64 * 4).from_address(mem.pointers)
-    assert [p - pointers[0] for p in pointers] == [0, 8, 16, 24]
+    impl = _Impl((4, 8, 4, 8, 1, 2))
+    args = (np.float32(1.5), np.float64(2), np.int32(-7), np.uint64(3), np.int8(1), np.uint16(2))
+    plan = _launch._plan(impl, args)
+    assert plan.codes == b"fdiQbH" and plan.types == tuple(map(type, args)) and not plan.conv
+    mem = _launch._ParamMemory(8 * len(args))  # a stream's memory for it: 8 bytes apart
+    pointers = (ctypes.c_uint64 * 6).from_address(mem.pointers)
+    assert [p - mem.addr for p in pointers] == [0, 8, 16, 24, 32, 40]
 
 
-def test_arguments_without_a_known_signature_are_not_packed() -> None:
+@pytest.mark.parametrize("kind", ["float16", "bool", "cai", "record"])
+def test_arguments_the_compiled_launch_does_not_pack_have_no_codes(kind) -> None:
     import numpy as np
 
-    impl = _Impl((16,))  # a by-value struct of 16 bytes: cuda.core's launch packs it
-    arg = np.zeros(1, dtype=[("a", "f8"), ("b", "i8")])[0]
-    assert _launch._kernel_args(impl, (arg,), None)[1].packer is None
+    arg = {
+        "float16": np.float16(1),
+        "bool": np.bool_(True),
+        "cai": _Cai(0x1000),
+        "record": np.zeros(1, dtype=[("a", "f8"), ("b", "i8")])[0],  # by value, 16 bytes
+    }[kind]
+    impl = _Impl((arg.dtype.itemsize if isinstance(arg, np.generic) else 8,))
+    assert _launch._plan(impl, (arg,)).codes is None  # cuda.core's launch packs it
 
 
-def test_a_driver_without_the_hot_path_entry_points_leaves_cuda_bindings_in_charge(
-    monkeypatch,
-) -> None:
+def test_a_driver_without_the_hot_path_entry_points_cannot_be_used(monkeypatch) -> None:
+    from asyncgpu import NoDeviceError
+
     monkeypatch.setattr(_driver, "_native", None)
     not_found = _driver.cu.CUresult.CUDA_ERROR_NOT_FOUND
     monkeypatch.setattr(_driver.cu, "cuGetProcAddress", lambda *a: (not_found, 0, None))
-    _backend._bind_native()
+    with pytest.raises(NoDeviceError, match=r"older than 12\.0.*cuLaunchKernel"):
+        _backend._bind_native()
     assert _driver._native is None
 
 
@@ -212,23 +216,13 @@ def test_the_queue_count_follows_the_drivers_variable(monkeypatch, value, limit)
 
 
 # -- device buffers a stream keeps for its next allocation (``_SpareBuffers``) ----------------
-# In C where the extension is built (``SpareCore``: the context's enqueue_create_buffer
-# and a dropped device buffer use it without Python), else ``_SpareFields``: both
-# must keep the same rules.
+# Keeping and taking are the extension's (``SpareCore``: the context's
+# enqueue_create_buffer and a dropped device buffer use it without Python).
 
 
-class _PySpare(_memory._SpareFields):
-    __slots__ = ()
-    kept = _memory._SpareBuffers.kept
-    free = _memory._SpareBuffers.free
-
-
-@pytest.fixture(params=["extension", "python"])
-def new_spare(request):
-    if request.param == "extension" and _memory._SpareBuffers.__mro__[1] is _memory._SpareFields:
-        pytest.skip("asyncgpu._native is not built")
-    cls = _memory._SpareBuffers if request.param == "extension" else _PySpare
-    return lambda: cls(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
+@pytest.fixture
+def new_spare():
+    return lambda: _memory._SpareBuffers(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
 
 
 class _Buf:
@@ -275,6 +269,9 @@ def test_a_stream_keeps_at_most_four_of_a_size_and_64_mib_in_all(new_spare) -> N
 
 
 def test_a_stream_keeps_at_most_sixteen_sizes_and_nothing_of_size_zero(new_spare) -> None:
+    from asyncgpu import _native
+
+    assert _memory._SPARE_SIZES == _native.SPARE_SIZES == 16  # (the C table's size)
     spare = new_spare()
     assert all(spare.keep(_Alloc(), 64 * (i + 1)) for i in range(_memory._SPARE_SIZES))
     assert not spare.keep(_Alloc(), 4096)  # a seventeenth size
@@ -300,16 +297,6 @@ def test_freeing_kept_allocations_frees_them_on_the_stream_and_a_closed_stream_k
     assert spare.closed
     assert not spare.keep(_Alloc(), 256) and not spare.bufs
     assert spare.room == _memory._SPARE_BYTES
-
-
-def test_without_the_extension_a_finalizer_that_runs_inside_take_does_not_deadlock() -> None:
-    """A buffer's finalizer may run on a thread that already holds the lock (garbage
-    collection inside ``take``): the Python fallback's lock is reentrant. (The C
-    type runs no Python code inside take or keep: the GIL makes them atomic.)"""
-    spare = _PySpare(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
-    with spare.lock:
-        assert spare.keep(_Alloc(), 64)
-        assert spare.take(64) is not None
 
 
 def test_a_dropped_allocation_is_kept_by_an_open_stream_and_freed_on_a_closed_one(

@@ -86,8 +86,8 @@ class Setup:
         self.fn = DeviceFunction(ctx, "k", self.kernel)
         self.cfg4 = SimpleNamespace(dims=(4, 1, 1, 256, 1, 1, 0))
         self.cfg8 = SimpleNamespace(dims=(8, 1, 1, 256, 1, 1, 0))
-        self.fn._cfgs[(4, 256, None, None)] = self.cfg4
-        self.fn._cfgs[(8, 256, None, None)] = self.cfg8
+        self.fn._cfgs[_native.launch_key(4, 256, None, None, ())] = self.cfg4
+        self.fn._cfgs[_native.launch_key(8, 256, None, None, ())] = self.cfg8
         self.general: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
     def plan(self, args: tuple[Any, ...], codes: bytes) -> None:
@@ -523,5 +523,6 @@ def test_a_thread_waiting_for_the_rlock_takes_it_once_the_holder_lets_go() -> No
 
 
 def test_a_stream_s_locks_are_the_extension_s() -> None:
-    assert type(_stream._accel.hot_lock()) is _native.RLock
+    s = _stream._PolledStream(SimpleNamespace(api="cuda", device_id=0), 0, 0)
+    assert type(s._submit_lock) is _native.RLock and type(s._retire_lock) is _native.RLock
     gc.collect()

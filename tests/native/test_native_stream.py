@@ -3,15 +3,15 @@ events and polled streams (``EventCore``, ``StreamCore``), against a stand-in
 driver (ctypes functions that record what they were given) and a CudaStream
 built without a GPU.
 
-What must hold, as in the Python path it replaces (``CudaStream._launch``):
-the launch gets the next sequence number and an event that keeps its arguments
-until it is retired; a stream that is held, a plan without parameter memory on
-the stream, or an argument not of the plan's type launches nothing and hands
-the launch back (None); the marker rules of ``_PolledStream._before_submit``
-hold (a marker for a last event the user still holds, one every ``MARK_EVERY``
-operations, a marker right after each launch while the stream is eager); a
-failed launch raises and releases the submit lock; and events retire in order
-once the counter passes them.
+What must hold (the launches it does not take go to the general path,
+``CudaStream._launch``): the launch gets the next sequence number and an event
+that keeps its arguments until it is retired; a stream that is held, a plan
+without parameter memory on the stream, or an argument not of the plan's type
+launches nothing and hands the launch back (None); the marker rules of
+``_PolledStream._before_submit`` hold (a marker for a last event the user still
+holds, one every ``MARK_EVERY`` operations, a marker right after each launch
+while the stream is eager); a failed launch raises and releases the submit
+lock; and events retire in order once the counter passes them.
 """
 
 from __future__ import annotations
@@ -69,8 +69,6 @@ class Stream:
         s._counter = self.counter
         s.h, s.caddr = 0x5EA, ctypes.addressof(self.counter)
         s._counter_in_c = True
-        s._completed_slow = s._completed_counter
-        s._completed = s._completed_fast
         s._write_marker = lambda seq: _native.write64(s.h, s.caddr, seq)
         s._param_mem = {}
         s.label = "test/s0"
@@ -78,10 +76,7 @@ class Stream:
         self.sweeps = sweeps
 
     def plan(self, args: tuple[Any, ...], codes: bytes) -> _launch._ArgPlan:
-        import struct
-
-        plan = _launch._ArgPlan((), struct.Struct("<" + "Q" * len(args)), tuple(map(type, args)))
-        plan.codes = codes
+        plan = _launch._ArgPlan((), tuple(map(type, args)), codes)
         self.s._param_mem[plan] = _launch._ParamMemory(8 * len(args))
         return plan
 
@@ -676,11 +671,13 @@ def test_a_copy_reaches_the_driver_in_one_compiled_call(stream: Stream, driver: 
             called.append(frame.f_code.co_name)
 
     dst, src = _Mem(0xD000), _Mem(0xC000)
+    gc.disable()  # (a collection here would run other libraries' gc callbacks)
     sys.setprofile(profile)
     try:
         ev = stream.s.copy(dst, src, 4096, keep)
     finally:
         sys.setprofile(None)
+        gc.enable()
     assert called == ["copy"]
     assert driver.copies == [(0xD000, 0xC000, 4096, 0x5EA)]
     assert type(ev) is DeviceEvent
@@ -730,3 +727,56 @@ def test_a_failed_copy_raises_and_submits_nothing(stream: Stream, driver: Driver
     assert _lock_is_free(stream.s._submit_lock)
     driver.copy_result = 0
     assert stream.s.copy(_Mem(0xD000), _Mem(0xC000), 64, None)._seq == 1
+
+
+# -- the general path (``CudaStream._launch``) and the compiled launch it hands back to ----
+
+
+class _Compiled(_native.KernelCore):
+    """A compiled function as the general path reads one: a signature, the plans
+    made for it so far, and (as ``_Function``) a handle and a configuration."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self._impl = self
+        self.last = None
+        self.handle, self.dims = 0xF00, DIMS
+        self.name, self.param_sizes, self.plans = "k", sizes, {}
+
+
+NUMBERS = (np.float32(1.5), np.int64(-5), np.int32(7))
+
+
+def test_the_general_path_makes_what_the_compiled_launch_lacked_and_gives_the_launch_back(
+    stream: Stream, driver: Driver
+) -> None:
+    del stream.s._launch  # (the stand-in's "handed back"): the real general path
+    stream.s._touched = True  # (no sweep of the real watcher for a stand-in stream)
+    driver.nargs = 3
+    f = _Compiled((4, 8, 4))
+    ev = stream.s.launch(f, NUMBERS, f, ())  # no plan yet: made, then launched in C
+    plan = f.last
+    assert plan is not None and plan.codes == b"fqi" and plan in stream.s._param_mem
+    assert type(ev) is DeviceEvent and ev._seq == 1 and len(driver.launches) == 1
+    (_, _, _, values, _) = driver.launches[0]
+    assert values == [
+        np.float32(1.5).tobytes() + bytes(4),
+        np.int64(-5).tobytes(),
+        np.int32(7).tobytes() + bytes(4),
+    ]
+    stream.s.launch(f, NUMBERS, f, ())  # the plan is the last: the compiled launch alone
+    other = (np.float32(1), np.uint64(2), np.int32(3))  # new types: a new plan, then C
+    assert type(stream.s.launch(f, other, f, ())) is DeviceEvent
+    assert f.last is not plan and f.last.codes == b"fQi" and len(f.plans) == 2
+    assert len(driver.launches) == 3 and stream.s._seq == 3
+
+
+def test_a_held_stream_queues_the_launch_in_the_general_path(
+    stream: Stream, driver: Driver
+) -> None:
+    del stream.s._launch
+    stream.s._touched = True
+    stream.s._pending = deque()
+    f = _Compiled((4, 8, 4))
+    ev = stream.s.launch(f, NUMBERS, f, ())  # handed back twice at most, never in a loop
+    assert type(ev) is DeviceEvent and ev._seq == 1 and driver.launches == []
+    assert [seq for seq, _ in stream.s._pending] == [1]  # the launch, queued for later

@@ -82,9 +82,13 @@ def _init_driver() -> int:
 
 
 def _bind_native() -> None:
-    native = _accel.native
-    if _driver._native is not None or native is None:
+    """Bind the compiled hot path (``asyncgpu._native``) to the driver's entry
+    points once, and hand it the classes it creates. Every CUDA 12+ driver has
+    them (``cuGetProcAddress`` for the CUDA 12.0 API); a driver without them
+    cannot run asyncgpu: ``NoDeviceError``."""
+    if _driver._native is not None:
         return
+    native = _accel.native
     try:
         native.bind(
             _entry_point("cuLaunchKernel"),
@@ -93,8 +97,12 @@ def _bind_native() -> None:
             _entry_point("cuEventQuery"),
             _entry_point("cuMemcpyAsync"),
         )
-    except (DeviceError, ValueError):
-        return  # a driver without these entry points: cuda.bindings
+    except (DeviceError, ValueError) as e:
+        raise NoDeviceError(
+            "the CUDA driver is older than 12.0 or incomplete: asyncgpu needs its "
+            "cuLaunchKernel, cuStreamWriteValue64, cuEventRecord, cuEventQuery and "
+            f"cuMemcpyAsync entry points (cuGetProcAddress, CUDA 12.0 API): {e}"
+        ) from None
     native.configure(
         DeviceEvent, watcher.sweep_later, _PolledStream.MARK_EVERY, CudaStream, _DeviceAlloc
     )

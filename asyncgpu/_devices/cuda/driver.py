@@ -5,10 +5,10 @@ result codes, and the errors made of them.
   ``DeviceError`` on failure; the sticky faults that leave a context unusable
   (``_STICKY``: an illegal address, a failed launch, a device-side assert ...)
   become ``DeviceFaultError``.
-* ``_native``: the C extension's direct driver calls (``cuLaunchKernel``,
-  ``cuStreamWriteValue64``, ``cuEventRecord``, ``cuEventQuery``), whose entry
-  points ``_entry_point`` finds (``cuGetProcAddress``) and ``backend._bind_native``
-  binds.
+* ``_native``: the C extension once bound to this driver's entry points
+  (``cuLaunchKernel``, ``cuStreamWriteValue64``, ``cuEventRecord``,
+  ``cuEventQuery``, ``cuMemcpyAsync``), which ``_entry_point`` finds
+  (``cuGetProcAddress``) and ``backend._bind_native`` binds.
 * The plain driver calls that a held stream runs later, in stream order
   (``cuMemcpyAsync``, ``cuMemcpyHtoDAsync``, ``cuMemsetD*Async``,
   ``cuEventRecord``, ``cuStreamWaitEvent``, ``cuStreamWriteValue64``): each
@@ -64,16 +64,9 @@ def _check(result: Any, what: str) -> Any:
     return result[1] if len(result) == 2 else result[1:]
 
 
-# The completion write of the enqueue hot path: the cuda.bindings wrapper, which
-# costs the host less per call than a ctypes pointer to the driver's entry point
-# (ctypes converts each argument in Python).
-_write_value64 = cu.cuStreamWriteValue64
-
-
-# The hot path's direct driver calls (``asyncgpu._native``, a C extension): None
-# where it is not built, or with ASYNCGPU_NATIVE=0; the cuda.bindings calls then.
-# Bound by ``backend._bind_native`` once the driver is initialised, so the other
-# modules read it as ``driver._native``: a name imported from here would stay None.
+# ``asyncgpu._native`` once ``backend._bind_native`` has bound it to the driver
+# (when the driver is initialised), None before: read as ``driver._native``, as a
+# name imported from here would stay None.
 _native: Any = None
 
 
@@ -125,9 +118,4 @@ def _wait_event_once(stream: Any, e: Any) -> None:
 
 
 def _write_counter(stream: Any, addr: int, value: int) -> None:
-    _check(_write_value64(stream, addr, value, 0), "cuStreamWriteValue64")
-
-
-def _write_bindings(stream: Any, addr: int, value: int) -> Any:
-    """A completion marker through cuda.bindings (where ``_native`` is not built)."""
-    return _write_value64(stream, addr, value, 0)[0]
+    _check(cu.cuStreamWriteValue64(stream, addr, value, 0), "cuStreamWriteValue64")

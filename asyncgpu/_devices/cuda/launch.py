@@ -4,27 +4,27 @@
   ``CUkernel`` of a library, and the ``CUfunction`` that ``cuLaunchKernel``
   takes), with its parameter sizes read from its PTX (``_ptx_param_sizes``; the
   driver is not asked, which can block while a stream is held back for host
-  work) and its argument plans; ``_KernelFields`` is what the C launch reads.
+  work) and its argument plans; it subclasses ``asyncgpu._native.KernelCore``,
+  whose field ``last`` (the plan of its last launch) the compiled launch reads.
 * ``_LaunchCfg``: a validated launch geometry.
-* Argument plans: per tuple of argument types, which positions become device
-  addresses and how the arguments pack into the 8-byte slots that
-  ``cuLaunchKernel`` reads (``_ArgPlan``, ``_arg_plan``, ``_kernel_args``,
-  ``_PACK_CODES``), and a stream's parameter memory for one plan
-  (``_ParamMemory``).
+* Argument plans: per tuple of argument types, checked once against the
+  kernel's signature (``_ArgPlan``, ``_plan``): the codes by which the compiled
+  launch packs the arguments into the 8-byte slots that ``cuLaunchKernel``
+  reads (``_NATIVE_CODES``), and which positions become device addresses for
+  cuda.core's launch (``_kernel_args``); a stream's parameter memory for one
+  plan (``_ParamMemory``).
 
-The launches themselves are the stream's (``stream.CudaStream._launch``:
-``cuLaunchKernel`` through ``_cuLaunchKernel``, or cuda.core's ``launch``) and
-the backend's (``launch_raw``: ``cuLaunchKernelEx``); each enqueues the kernel
-and returns without waiting for it.
+The launches themselves are the stream's (``stream.CudaStream.launch``: the
+compiled ``cuLaunchKernel``, else cuda.core's ``launch``) and the backend's
+(``launch_raw``: ``cuLaunchKernelEx``); each enqueues the kernel and returns
+without waiting for it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
-import struct
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -32,29 +32,11 @@ from cuda.bindings import driver as cu
 from ... import _accel
 from ..._core.function import reject_python_scalar
 from ..._core.memory import DeviceBuffer, HostBuffer
-from . import driver as _driver
-
-if TYPE_CHECKING:
-    from ..._core.state import _ContextState
 
 _SHMEM_DEFAULT_LIMIT = 48 * 1024
 
 
-class _KernelFields:
-    """The field of a ``_CudaFunction`` that every launch reads: the argument plan
-    of its last launch (in ``asyncgpu._native.KernelCore`` where the extension is
-    built, which the C launch reads directly)."""
-
-    __slots__ = ("last",)
-
-
-if TYPE_CHECKING:
-    _KernelBase = _KernelFields
-else:
-    _KernelBase = _accel.c_base("KernelCore", _KernelFields)
-
-
-class _CudaFunction(_KernelBase):
+class _CudaFunction(_accel.native.KernelCore):
     """The loaded kernel and what is cached for launching it."""
 
     __slots__ = (
@@ -81,7 +63,7 @@ class _CudaFunction(_KernelBase):
         # context is held back for host work.
         self.param_sizes: tuple[int, ...] | None = _ptx_param_sizes(ptx, name) if ptx else None
         self.plans: dict[tuple[type, ...], _ArgPlan] = {}
-        self.last: _ArgPlan | None = None  # the plan of the last launch (the fast path's)
+        self.last = None  # the plan of the last launch (the one the compiled launch tries)
         self.shmem_optin = _SHMEM_DEFAULT_LIMIT
 
 
@@ -124,43 +106,45 @@ class _LaunchCfg:
 
 
 class _ArgPlan:
-    """How one tuple of argument types is passed to one kernel: the positions to
-    convert (``_BUFFER``: a buffer's address; ``_CAI``: the address in a
-    ``__cuda_array_interface__``), whether any is another library's array, and,
-    when every parameter is a scalar or pointer of at most 8 bytes whose size the
-    signature confirms, a ``struct`` packer that lays the arguments out 8 bytes
-    apart for ``cuLaunchKernel``. ``types`` and ``codes`` are what ``_native``
-    packs by (None where it cannot: another library's arrays, float16, bool)."""
+    """How one tuple of argument types (``types``) is passed to one kernel, worked
+    out once (``_plan``): the positions cuda.core's launch needs converted
+    (``conv``: ``_BUFFER``, a buffer's address; ``_CAI``, the address in a
+    ``__cuda_array_interface__``), whether any is another library's array
+    (``foreign``), and ``codes``, one byte per argument (``_NATIVE_CODES``), by
+    which the compiled launch packs the arguments 8 bytes apart for
+    ``cuLaunchKernel``: None where it cannot (no signature to confirm the sizes,
+    another library's array, a cuda.core object, a float16 or bool), and then
+    cuda.core's launch takes the arguments."""
 
-    __slots__ = ("codes", "conv", "foreign", "packer", "types")
+    __slots__ = ("codes", "conv", "foreign", "types")
 
     def __init__(
         self,
         conv: tuple[tuple[int, int], ...],
-        packer: struct.Struct | None,
         types: tuple[type, ...] = (),
         codes: bytes | None = None,
     ) -> None:
         self.conv = conv
         self.foreign = any(kind == _CAI for _, kind in conv)
-        self.packer = packer
         self.types = types
-        self.codes = codes if _driver._native is not None and packer is not None else None
+        self.codes = codes
 
 
 _BUFFER, _CAI = 0, 1
-# struct codes of NumPy scalar kinds and sizes (little-endian, no padding: '<').
-_PACK_CODES = {
-    ("f", 2): "e", ("f", 4): "f", ("f", 8): "d", ("b", 1): "?",
-    ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q",
-    ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q",
+# The compiled launch's codes of NumPy scalar kinds and sizes (``asyncgpu._native``'s
+# argument codes; a buffer is b"P").
+_NATIVE_CODES = {
+    ("f", 4): b"f", ("f", 8): b"d",
+    ("i", 1): b"b", ("i", 2): b"h", ("i", 4): b"i", ("i", 8): b"q",
+    ("u", 1): b"B", ("u", 2): b"H", ("u", 4): b"I", ("u", 8): b"Q",
 }  # fmt: skip
 
 
 class _ParamMemory:
     """A stream's parameter memory for one plan: 8 bytes per argument and the
-    array of pointers to them that ``cuLaunchKernel`` reads (used under the
-    stream's submit lock; the driver copies the values during the call)."""
+    array of pointers to them that ``cuLaunchKernel`` reads (the compiled launch
+    packs into it under the stream's submit lock; the driver copies the values
+    during the call)."""
 
     __slots__ = ("_ptrs", "addr", "data", "pointers")
 
@@ -172,22 +156,24 @@ class _ParamMemory:
         self.pointers = ctypes.addressof(self._ptrs) if nbytes else 0
 
 
-_cuLaunchKernel = cu.cuLaunchKernel
-
-
-def _kernel_args(
-    impl: _CudaFunction, args: tuple[Any, ...], state: _ContextState
-) -> tuple[Sequence[Any], _ArgPlan]:
-    """The launch arguments: buffers become their addresses. What each position
-    needs is worked out, and the kernel's signature checked, once per tuple of
-    argument types (``_arg_plan``); a repeat costs a dictionary lookup."""
+def _plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
+    """The plan of ``args``' types for ``impl``, now its last (``impl.last``, which
+    the compiled launch tries first). What each position needs is worked out, and
+    the kernel's signature checked, once per tuple of types (``_arg_plan``)."""
     key = tuple(map(type, args))
     plan = impl.plans.get(key)
     if plan is None:
         plan = impl.plans[key] = _arg_plan(impl, args)
     impl.last = plan
+    return plan
+
+
+def _kernel_args(plan: _ArgPlan, args: tuple[Any, ...]) -> tuple[Any, ...] | list[Any]:
+    """The arguments as cuda.core's launch takes them: buffers and other
+    libraries' arrays become their addresses (a buffer that cannot be used
+    raises why)."""
     if not plan.conv:
-        return args, plan
+        return args
     out = list(args)
     for i, kind in plan.conv:
         a = out[i]
@@ -197,26 +183,24 @@ def _kernel_args(
             out[i] = a._ptr
         else:
             out[i] = int(a.__cuda_array_interface__["data"][0])
-    return out, plan
+    return out
 
 
 def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
     """Validate one tuple of argument types and plan how to pass it."""
     conv: list[tuple[int, int]] = []
     sizes: list[int] = []
-    codes: list[str] | None = []
-    native: bytes | None = b""
+    codes: bytes | None = b""
     for n, a in enumerate(args):
         t = type(a)
+        code: bytes | None
         if t is DeviceBuffer or t is HostBuffer:
             conv.append((n, _BUFFER))
             sizes.append(8)
-            code: str | None = "Q"
-            native_code: bytes | None = b"P"
+            code = b"P"
         elif isinstance(a, np.generic):
             sizes.append(a.dtype.itemsize)
-            code = _PACK_CODES.get((a.dtype.kind, a.dtype.itemsize))
-            native_code = code.encode() if code is not None and code in "fdbhiqBHIQ" else None
+            code = _NATIVE_CODES.get((a.dtype.kind, a.dtype.itemsize))
         elif t in (int, float, bool, complex):
             reject_python_scalar(n, a)
         elif isinstance(a, np.ndarray):
@@ -227,19 +211,13 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
         elif getattr(a, "__cuda_array_interface__", None) is not None:
             conv.append((n, _CAI))
             sizes.append(8)
-            code = "Q"
-            native_code = None
+            code = None
         elif hasattr(a, "handle") and t.__module__.startswith("cuda.core"):
             sizes.append(8)
-            code = native_code = None  # cuda.core's launch knows its own objects
+            code = None  # cuda.core's launch knows its own objects
         else:
             raise TypeError(f"kernel argument {n} of type {t.__name__} is not supported")
-        native = None if native is None or native_code is None else native + native_code
-        if codes is not None:
-            if code is None:
-                codes = None
-            else:
-                codes.append(code + (f"{8 - sizes[-1]}x" if sizes[-1] < 8 else ""))
+        codes = None if codes is None or code is None else codes + code
     want = impl.param_sizes
     if want is not None:
         if len(args) != len(want):
@@ -250,5 +228,4 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
                     f"kernel {impl.name} argument {n} is {w} bytes, but "
                     f"{type(args[n]).__name__} is {got} bytes"
                 )
-    packer = struct.Struct("<" + "".join(codes)) if codes is not None and want is not None else None
-    return _ArgPlan(tuple(conv), packer, tuple(map(type, args)), native)
+    return _ArgPlan(tuple(conv), tuple(map(type, args)), codes if want is not None else None)

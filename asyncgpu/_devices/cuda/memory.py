@@ -26,7 +26,7 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -50,7 +50,7 @@ _STAGE_SLOTS = 3
 # ``_SpareBuffers``): at most this many bytes per stream, this many per size.
 _SPARE_BYTES = 64 << 20
 _SPARE_PER_SIZE = 4
-_SPARE_SIZES = 16  # sizes a stream keeps at once (SPARE_SIZES in _native.c)
+_SPARE_SIZES = _accel.native.SPARE_SIZES  # sizes a stream keeps at once (a table in C)
 
 
 class _CounterSlab:
@@ -85,71 +85,19 @@ class _CounterSlab:
 _slab = _CounterSlab()
 
 
-class _SpareFields:
-    """Where the C extension is not built, the kept buffers of ``_SpareBuffers``
-    (``asyncgpu._native.SpareCore`` otherwise: the same methods, which the GIL
-    makes atomic there, and which the context's ``enqueue_create_buffer`` and a
-    dropped device buffer call without Python)."""
-
-    __slots__ = ("bufs", "closed", "lock", "per_size", "room")
-
-    def __init__(self, room: int, per_size: int) -> None:
-        self.bufs: dict[int, list[Any]] = {}
-        self.room = room
-        self.per_size = per_size
-        self.closed = False
-        # Reentrant: a buffer's finalizer may run (garbage collection) while this
-        # thread is inside take() or keep().
-        self.lock = threading.RLock()
-
-    def take(self, nbytes: int) -> Any:
-        with self.lock:
-            bufs = self.bufs.get(nbytes)
-            if not bufs:
-                return None
-            alloc = bufs.pop()
-            if not bufs:
-                del self.bufs[nbytes]
-            self.room += nbytes
-            return alloc
-
-    def keep(self, alloc: Any, nbytes: int) -> bool:
-        with self.lock:
-            if self.closed or nbytes <= 0 or nbytes > self.room:
-                return False
-            bufs = self.bufs.get(nbytes)
-            if bufs is None:
-                if len(self.bufs) >= _SPARE_SIZES:
-                    return False
-                bufs = self.bufs[nbytes] = []
-            if len(bufs) >= self.per_size:
-                return False
-            bufs.append(alloc)
-            self.room -= nbytes
-            return True
-
-    def _take_all(self, close: bool) -> list[Any]:
-        with self.lock:
-            self.closed = self.closed or close
-            allocs = [a for group in self.bufs.values() for a in group]
-            self.room += sum(len(group) * n for n, group in self.bufs.items())
-            self.bufs.clear()
-            return allocs
-
-
-if TYPE_CHECKING:
-    _SpareBase = _SpareFields
-else:
-    _SpareBase = _accel.c_base("SpareCore", _SpareFields)
-
-
-class _SpareBuffers(_SpareBase):
+class _SpareBuffers(_accel.native.SpareCore):
     """Device allocations of a stream, released and kept for the stream's next
     allocation of the same size, so that a buffer created and dropped again and
     again costs no driver call and no new allocation object: at most ``per_size``
     of one size, ``_SPARE_SIZES`` sizes and ``room`` bytes in all
     (``_SpareBuffers(room, per_size)``; a stream keeps ``_SPARE_BYTES`` and
     ``_SPARE_PER_SIZE``). ``bufs`` is what is kept, ``{nbytes: [allocation, ...]}``.
+
+    Keeping and taking are the C type's (``asyncgpu._native.SpareCore``: ``take``,
+    ``keep``, ``_take_all``, ``room``, ``closed``, ``bufs``), which the context's
+    ``enqueue_create_buffer`` and a dropped device buffer call without Python; the
+    GIL makes each atomic (a buffer's finalizer may keep memory from any thread,
+    even inside a ``take`` of this one). Freeing what is kept is here.
 
     Safe for the same reason the driver's stream-ordered pool is: an allocation
     comes here only once the device has finished every operation that used it
@@ -168,7 +116,8 @@ class _SpareBuffers(_SpareBase):
     def free(self, cs: Any, close: bool) -> None:
         """Free every kept allocation on ``cs`` (the owning stream, still alive);
         with ``close``, keep none from now on."""
-        for alloc in self._take_all(close):
+        allocs: list[Any] = self._take_all(close)  # (_DeviceAlloc objects)
+        for alloc in allocs:
             with contextlib.suppress(Exception):
                 alloc.free_on(cs)
 

@@ -49,7 +49,6 @@ from ..._core.memory import HostBuffer
 from ..._core.pool import cpu_pool, fan_out, host_work, range_work, waiting_for
 from ..._core.stream import _Gate, _HardwareQueues, _HostResult, _PolledStream, _StreamImpl
 from ..._errors import DeviceFaultError, UnsupportedError
-from . import driver as _driver
 from .driver import (
     _GEQ,
     _NOT_READY,
@@ -61,10 +60,9 @@ from .driver import (
     _memset,
     _record,
     _wait_event_once,
-    _write_bindings,
     _write_counter,
 )
-from .launch import _ArgPlan, _CudaFunction, _cuLaunchKernel, _kernel_args, _LaunchCfg, _ParamMemory
+from .launch import _ArgPlan, _CudaFunction, _kernel_args, _LaunchCfg, _ParamMemory, _plan
 from .memory import (
     _SPARE_BYTES,
     _SPARE_PER_SIZE,
@@ -190,7 +188,9 @@ class CudaStream(_PolledStream):
         # event recorded in C with ASYNCGPU_KERNEL_MARKERS=event (_kernel_markers).
         self._kernel_event_markers = _kernel_markers() == "event"
         self._hostsig = ctypes.c_uint64.from_address(self.saddr)
-        self._marker_lock = _accel.hot_lock()
+        # The extension's RLock: the compiled completion and launch take it without
+        # a Python call.
+        self._marker_lock = _accel.native.RLock()
         self._free_events: list[Any] = []
         self._done_seq = 0  # the last marker event seen finished
         # Counter completion: the markers placed right after a copy or memset are
@@ -198,23 +198,18 @@ class CudaStream(_PolledStream):
         self._copy_marks: deque[tuple[int, Any]] = deque()
         self._after_copy = False  # the last operation submitted was a copy or memset
         self._counter_mark = 0  # the last sequence number a counter marker covers
-        if backend.completion == "event":
-            self._events: deque[tuple[int, Any]] | None = deque()
-            self._completed_slow = self._completed_events
-        else:
-            self._events = None
-            self._completed_slow = self._completed_counter
-        # In C where the extension is built (the counter read there), else the above.
-        self._completed = getattr(self, "_completed_fast", self._completed_slow)  # type: ignore[method-assign]
+        # Event completion (ASYNCGPU_COMPLETION=event): every marker is a driver
+        # event, (seq, CUevent) in order, and _completed_slow reads them.
+        self._events: deque[tuple[int, Any]] | None = (
+            deque() if backend.completion == "event" else None
+        )
         self._host_ops = 0
         # Per plan, the memory its launches pack into. An entry is made once and
         # never replaced: the extension's launch keeps the last one it found.
         self._param_mem: dict[_ArgPlan, _ParamMemory] = {}
-        native = _driver._native
-        if native is not None:
-            self._write_marker: Callable[[int], Any] = partial(native.write64, self.h, self.caddr)
-        else:
-            self._write_marker = partial(_write_bindings, raw, self.caddr)
+        self._write_marker: Callable[[int], Any] = partial(
+            _accel.native.write64, self.h, self.caddr
+        )
         self.external_owner = external_owner
         self.is_closed = False
         self.label = f"cuda:{state.device_id}/s{index}"
@@ -298,7 +293,44 @@ class CudaStream(_PolledStream):
     def _drain_prepare(self) -> None:
         self.backend.make_current()
 
+    if not TYPE_CHECKING:
+        # The compiled completion (``_counter_in_c``): the counter read in C, and
+        # the marker events after copies queried there; it asks
+        # ``_completed_slow`` only for what the counter cannot say. Chosen here,
+        # for every stream of the class, not per stream.
+        _completed = _accel.native.StreamCore._completed_fast
+
+    def _completed_slow(self) -> int:
+        """What the compiled ``_completed`` asks for when the counter cannot say:
+        with event completion (``_events``), the last marker event that finished
+        (``cuEventQuery``, under ``_marker_lock``), whose events are reused; with
+        counter completion, ``_completed_counter`` (asked only where the driver's
+        ``cuEventQuery`` is not bound to the extension)."""
+        ms = self._events
+        if ms is None:
+            return self._completed_counter()
+        if ms:
+            with self._marker_lock:
+                if ms:
+                    seq, e = ms[-1]
+                    if cu.cuEventQuery(e)[0] == _SUCCESS:
+                        self._done_seq = seq
+                        self._free_events.extend(x[1] for x in ms)
+                        ms.clear()
+                    else:
+                        while ms and cu.cuEventQuery(ms[0][1])[0] == _SUCCESS:
+                            seq, e = ms.popleft()
+                            self._done_seq = seq
+                            self._free_events.append(e)
+        return self._done_seq
+
     def _completed_counter(self) -> int:
+        """Counter completion as the compiled ``_completed`` reads it (the counter,
+        and the marker events after copies, ``_query_copy_marks``), in Python: what
+        it asks for only where ``cuEventQuery`` is not bound, which
+        ``backend._bind_native`` never leaves so. (Left as the copy-marker rules'
+        Python statement, which tests/devices/test_cuda_logic.py checks on a fake
+        driver; C's ``query_marks`` is the one a bound stream runs.)"""
         c = self._counter.value
         if self._copy_marks:
             self._query_copy_marks(c)
@@ -315,23 +347,6 @@ class CudaStream(_PolledStream):
                 if seq > self._done_seq:
                     self._done_seq = seq
                 self._free_events.append(e)
-
-    def _completed_events(self) -> int:
-        ms = self._events
-        if ms:
-            with self._marker_lock:
-                if ms:
-                    seq, e = ms[-1]
-                    if cu.cuEventQuery(e)[0] == _SUCCESS:
-                        self._done_seq = seq
-                        self._free_events.extend(x[1] for x in ms)
-                        ms.clear()
-                    else:
-                        while ms and cu.cuEventQuery(ms[0][1])[0] == _SUCCESS:
-                            seq, e = ms.popleft()
-                            self._done_seq = seq
-                            self._free_events.append(e)
-        return self._done_seq
 
     def _device_wait_for(self, waiter: Any, seq: int) -> None:
         """Make the stream ``waiter`` wait, on the device, until this stream has
@@ -370,23 +385,15 @@ class CudaStream(_PolledStream):
             self._touched = True
             watcher.sweep_later(self)
 
-    def launch(
-        self,
-        fn: DeviceFunction,
-        args: tuple[Any, ...],
-        cfg: Any,
-        constant_memory: Sequence[ConstantMemoryMapping],
-    ) -> DeviceEvent:
-        """Launch ``fn``: through ``_launch`` here, where the C extension is not
-        built. With it, this is ``StreamCore._launch_c``: the function's last plan
-        checked, packed and launched in one C call (under the submit lock, the
-        marker rules of ``_before_submit``, ``cuLaunchKernel`` with the counter
-        marker when the stream is eager, the event, then ``_prune``), and
-        ``_launch`` for every launch it cannot take."""
-        return self._launch(fn, fn._impl, args, cfg, constant_memory)
-
-    if not TYPE_CHECKING and _accel.native is not None:
-        launch = _accel.native.StreamCore._launch_c  # (the docstring above)
+    # ``launch`` (the seam's, ``_StreamImpl.launch``) is the compiled launch,
+    # ``StreamCore._launch_c``: with a plain geometry, no constant memory and the
+    # function's last plan (``last``) matching the arguments' types, it checks,
+    # packs and launches in one C call (under the submit lock, the marker rules of
+    # ``_before_submit``, ``cuLaunchKernel`` with the counter marker when the
+    # stream is eager, the event, then ``_prune``); every other launch it hands to
+    # ``_launch``.
+    if not TYPE_CHECKING:
+        launch = _accel.native.StreamCore._launch_c
 
     def _launch_failed(self, err: int, seq: int, args: tuple[Any, ...]) -> None:
         if err < _accel.native.MARKER_FAILED:
@@ -404,12 +411,34 @@ class CudaStream(_PolledStream):
         cfg: Any,
         constant_memory: Sequence[ConstantMemoryMapping],
     ) -> DeviceEvent:
-        """Every launch the fast path does not take."""
+        """The general launch: every launch the compiled one (``launch``) hands
+        back, and the only implementation of those. It makes what the compiled
+        launch lacked (the plan of these argument types, which it checks against
+        the kernel's signature, and this stream's parameter memory for it) and
+        writes constant memory, then gives the launch back to the compiled one;
+        handed back again with nothing new to make, it launches here: a stream
+        held behind host work (the launch queued), a cluster, cooperative or
+        priority launch, arguments the compiled launch does not pack (another
+        library's arrays, ordered with its streams; cuda.core objects, float16,
+        bool, a kernel without a signature): through cuda.core's ``launch``
+        (``_launch_now``). A buffer that cannot be used raises here."""
         if impl is None:
             raise UnsupportedError(f"{fn!r} was released")
-        kargs, plan = _kernel_args(impl, args, self.state)
+        last = impl.last
+        plan = _plan(impl, args)
         if constant_memory:
             self.backend.write_constants(impl, constant_memory, self)
+        if plan.codes is not None and cfg.dims is not None and self._pending is None:
+            ready = plan is last and not constant_memory
+            mems = self._param_mem
+            if plan not in mems:
+                # (made once and never replaced: the compiled launch keeps the
+                # last one it found)
+                mems.setdefault(plan, _ParamMemory(8 * len(plan.types)))
+                ready = False
+            if not ready:
+                return self.launch(fn, args, cfg, ())
+        kargs = _kernel_args(plan, args)
         if plan.foreign and self._pending is not None:
             self._settle()  # the other library's stream will wait for this launch
         with self._submit_lock:
@@ -419,16 +448,6 @@ class CudaStream(_PolledStream):
             waits = _interop.launch_streams(self, args) if plan.foreign else ()
             if self._pending is not None:
                 self._pending.append((self._seq + 1, partial(self._launch_now, impl, cfg, kargs)))
-            elif cfg.dims is not None and plan.packer is not None:
-                # The fast path: the arguments packed into this stream's parameter
-                # memory for the plan (the driver copies them at the call).
-                mem = self._param_mem.get(plan)
-                if mem is None:
-                    mem = self._param_mem[plan] = _ParamMemory(plan.packer.size)
-                plan.packer.pack_into(mem.data, 0, *kargs)
-                err = _cuLaunchKernel(impl.fn, *cfg.dims, self.raw, mem.pointers, 0)[0]
-                if err != _SUCCESS:
-                    raise _error(err, "cuLaunchKernel")
             else:
                 self._launch_now(impl, cfg, kargs)
             self._after_copy = False
