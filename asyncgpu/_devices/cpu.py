@@ -333,7 +333,8 @@ class CpuBackend:
         return 1
 
     def name(self) -> str:
-        return platform.processor() or platform.machine() or "cpu"
+        # MAX names its host device "cpu"; the processor is in the info's extras.
+        return "cpu"
 
     def info(self) -> GPUInfo:
         if self._info is None:
@@ -357,7 +358,11 @@ class CpuBackend:
                 clock_rate_khz=0,
                 memory_clock_rate_khz=0,
                 l2_cache_size=0,
-                extra={"cores": os.cpu_count() or 1, "pool_threads": pool_size()},
+                extra={
+                    "processor": platform.processor() or platform.machine() or "unknown",
+                    "cores": os.cpu_count() or 1,
+                    "pool_threads": pool_size(),
+                },
             )
         return self._info
 

@@ -139,7 +139,8 @@ def _print_info(data: dict[str, Any]) -> None:
             if "error" in dev:
                 print(f"  device {dev['id']}: cannot open: {dev['error']}")
                 continue
-            print(f"  device {dev['id']}: {dev['name']}")
+            processor = dev["info"].get("extra.processor")
+            print(f"  device {dev['id']}: {dev['name']}{f' ({processor})' if processor else ''}")
             print(f"    api version: {dev['api_version_text']}")
             mem = dev["memory"]
             print(f"    memory: {_gib(mem['free'])} free of {_gib(mem['total'])}")

@@ -325,6 +325,17 @@ def test_name_api_id(ctx: DeviceContext, api: str) -> None:
     assert ctx.id() == 0
 
 
+def test_the_cpu_device_is_named_cpu(ctx: DeviceContext, api: str) -> None:
+    # MAX's tests require "cpu" in the CPU device's name; the processor is in the extras.
+    if api == "cpu":
+        assert "cpu" in ctx.name()
+        assert ctx.default_device_info.name == ctx.name()
+        processor = ctx.default_device_info.extra["processor"]
+        assert isinstance(processor, str) and processor
+    else:
+        assert "cpu" not in ctx.name().lower()
+
+
 def test_get_api_version(ctx: DeviceContext) -> None:
     v = ctx.get_api_version()
     assert isinstance(v, int)

@@ -41,6 +41,7 @@ def test_info_text(capsys):
     out = capsys.readouterr().out
     assert "default device api: cpu" in out
     assert "[cpu] 1 device(s)" in out
+    assert "  device 0: cpu (" in out  # the name, then the processor
     assert "healthcheck: ok" in out
     assert "default_device_info:" in out and "warp_size: 1" in out
     assert "MAX_THREADS_PER_BLOCK: 1024" in out
