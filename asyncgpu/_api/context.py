@@ -287,15 +287,18 @@ class DeviceContext(native.ContextCore):
         return self._state.backend.max_single_alloc_size()
 
     def can_access(self, peer: DeviceContext) -> bool:
-        """True if this device can address ``peer``'s memory directly
-        (``cuDeviceCanAccessPeer``; a device always reaches itself)."""
+        """True if this device can address ``peer``'s memory directly as a peer
+        (``cuDeviceCanAccessPeer``). A device is not its own peer: for two contexts of
+        the same device (``ctx.can_access(ctx)`` included) this is False, as in MAX and
+        the driver, although each addresses the device's memory anyway."""
         self._check_open()
         if not isinstance(peer, DeviceContext):
             raise TypeError(f"can_access takes a DeviceContext, not {type(peer).__name__}")
         return bool(self._state.backend.can_access(peer._state.backend))
 
     def enable_peer_access(self, peer: DeviceContext) -> None:
-        """Let this device address ``peer``'s memory (``cuCtxEnablePeerAccess``)."""
+        """Let this device address ``peer``'s memory (``cuCtxEnablePeerAccess``); a
+        no-op when ``peer`` is a context of the same device."""
         self._check_open()
         if not isinstance(peer, DeviceContext):
             raise TypeError(f"enable_peer_access takes a DeviceContext, not {type(peer).__name__}")

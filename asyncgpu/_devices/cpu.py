@@ -405,11 +405,14 @@ class CpuBackend:
             raise HealthCheckError("host memory did not hold a test pattern", check="memory")
 
     def can_access(self, other: Any) -> bool:
-        return getattr(other, "api", None) == "cpu"
+        # Every CPU context is the one host device, and a device is not its own peer
+        # (as in MAX, and as cuDeviceCanAccessPeer(d, d) answers).
+        return False
 
     def enable_peer_access(self, other: Any) -> None:
-        if not self.can_access(other):
+        if getattr(other, "api", None) != "cpu":
             raise UnsupportedError("the CPU device can only reach other CPU contexts")
+        # The same device: its memory is already addressable; nothing to enable.
 
     def supports_multicast(self) -> bool:
         return False

@@ -466,17 +466,27 @@ def test_bound_methods_of_one_object_launch_their_own_kernels(ctx: DeviceContext
     assert seen == [(1, 2)] * 50
 
 
-def test_a_device_can_access_itself(ctx: DeviceContext) -> None:
-    assert ctx.can_access(ctx) is True
-    assert ctx.can_access(ctx.select_stream(1)) is True
+def test_a_device_is_not_its_own_peer(ctx: DeviceContext, api: str) -> None:
+    # As in MAX, and as cuDeviceCanAccessPeer(d, d) answers.
+    assert ctx.can_access(ctx) is False
+    assert ctx.can_access(ctx.select_stream(1)) is False
+    with DeviceContext(api=api) as same_device:
+        assert ctx.can_access(same_device) is False and same_device.can_access(ctx) is False
+        ctx.enable_peer_access(same_device)  # a no-op, not an error
+        same_device.enable_peer_access(ctx)
+    ctx.enable_peer_access(ctx)
 
 
-@pytest.mark.parametrize("api", ["cpu"])
-def test_cpu_contexts_reach_each_other(ctx: DeviceContext) -> None:
-    with DeviceContext(api="cpu") as peer:
-        assert ctx.can_access(peer) and peer.can_access(ctx)
-        ctx.enable_peer_access(peer)
-        peer.enable_peer_access(ctx)
+def test_the_cpu_device_has_no_peers(ctx: DeviceContext, api: str) -> None:
+    if cuda_device_count() == 0:
+        pytest.skip("needs a CUDA device beside the CPU device")
+    with DeviceContext(api="cpu" if api == "cuda" else "cuda") as other:
+        assert ctx.can_access(other) is False and other.can_access(ctx) is False
+        cpu, gpu = (ctx, other) if api == "cpu" else (other, ctx)
+        with pytest.raises(asyncgpu.UnsupportedError):
+            cpu.enable_peer_access(gpu)
+        with pytest.raises(asyncgpu.UnsupportedError):
+            gpu.enable_peer_access(cpu)
 
 
 def test_two_gpus_peer_access() -> None:
