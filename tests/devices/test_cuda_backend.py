@@ -89,7 +89,8 @@ def test_device_facts(ctx):
     assert 0 < free <= total == ctx.max_single_alloc_size()
     assert ctx.get_api_version() >= 12000
     assert ctx.is_compatible()
-    assert ctx.can_access(ctx)
+    assert not ctx.can_access(ctx)  # not its own peer, as cuDeviceCanAccessPeer(d, d)
+    ctx.enable_peer_access(ctx)  # a no-op
     assert isinstance(ctx.supports_multicast(), bool)
     rng_ = ctx.stream_priority_range()
     assert rng_.greatest <= rng_.least

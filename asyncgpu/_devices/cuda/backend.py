@@ -299,7 +299,7 @@ class CudaBackend:
         if not isinstance(other, CudaBackend):
             return False
         if other.device_id == self.device_id:
-            return True
+            return False  # not its own peer: cuDeviceCanAccessPeer(d, d) answers 0 too
         return bool(_check(cu.cuDeviceCanAccessPeer(self.dev, other.dev), "cuDeviceCanAccessPeer"))
 
     def enable_peer_access(self, other: Any) -> None:
