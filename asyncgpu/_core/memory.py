@@ -309,6 +309,15 @@ class DeviceBuffer(_BufferBase):
         self._check()
         return _HostMapping(self)
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """Refused, as CuPy refuses it: device memory is not a NumPy array, and
+        without this NumPy would make a 0-d object array of the buffer."""
+        raise TypeError(
+            "a DeviceBuffer is not a NumPy array: copy it to the host first "
+            "(ctx.enqueue_copy(array_or_host_buffer, buf)), or read it through "
+            "buf.map_to_host()"
+        )
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """CUDA Array Interface v3 (CUDA device only). ``stream`` is the owning

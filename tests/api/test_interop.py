@@ -407,6 +407,16 @@ def test_copy_ordering_with_a_known_producer_stream(cpu, monkeypatch) -> None:
 # -- HostBuffer and NumPy / the buffer protocol -------------------------------------------
 
 
+def test_np_asarray_of_a_device_buffer_says_to_copy_or_map(ctx) -> None:
+    buf = ctx.enqueue_create_buffer(np.float32, 4)
+    for convert in (np.asarray, np.array, lambda b: np.asarray(b, dtype=np.float64)):
+        with pytest.raises(TypeError, match=r"enqueue_copy.*map_to_host"):
+            convert(buf)
+    with buf.map_to_host() as h:  # the way the message names works
+        assert np.asarray(h).shape == (4,)
+    ctx.synchronize()
+
+
 def test_host_buffer_np_asarray_is_zero_copy_and_keeps_it_alive(cpu) -> None:
     h = _filled_host(cpu, np.full(4, 7, np.int32))
     v = np.asarray(h)
