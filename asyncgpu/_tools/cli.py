@@ -214,6 +214,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 png=not args.no_png,
             )
         )
+    except BrokenPipeError:
+        raise  # the reader went away: main ends quietly
     except Exception as e:
         return _fail(f"demo failed: {type(e).__name__}: {e}")
     return 0

@@ -141,14 +141,21 @@ def test_info_with_a_bad_device_api_variable_fails_cleanly(capsys, monkeypatch):
     assert "ASYNCGPU_API must be cpu or cuda" in _one_error_line(capsys.readouterr().err)
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+@pytest.mark.parametrize(
+    "argv",
+    [["info"], ["demo", "--batches", "2", "--size", "512", "--no-png"]],
+    ids=["info", "demo"],
+)
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path, argv):
     """``asyncgpu info | head -1``, with the reader gone before the first write."""
     env = {**os.environ, "ASYNCGPU_API": "cpu", "PYTHONPATH": str(REPO)}
+    if argv[0] == "demo":
+        argv = [*argv, "--out", str(tmp_path)]
     read_end, write_end = os.pipe()
     os.close(read_end)
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "asyncgpu", "info"],
+            [sys.executable, "-m", "asyncgpu", *argv],
             stdout=write_end,
             stderr=subprocess.PIPE,
             text=True,
