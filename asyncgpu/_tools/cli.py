@@ -17,6 +17,8 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -225,7 +227,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _repo_root() -> Path:
-    return Path(__file__).resolve().parent.parent
+    """The folder above the package (``asyncgpu/_tools/cli.py`` is three levels down)."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _json_path_in(argv: list[str]) -> str | None:
+    """The ``--json PATH`` (or ``--json=PATH``) of benchmarks/run.py's arguments."""
+    for i, a in enumerate(argv):
+        if a == "--json" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--json="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -239,9 +252,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     extra = list(args.extra or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    out = _json_path_in(extra)
+    if out is None:
+        # The suite writes its full results only when told where; a new file in
+        # the temp folder keeps the checkout clean and names where they went.
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = str(Path(tempfile.gettempdir()) / f"asyncgpu-bench-{stamp}-{os.getpid()}.json")
+        extra += ["--json", out]
     cmd = [sys.executable, str(script), *(["--quick"] if args.quick else []), *extra]
     print(f"running {' '.join(cmd[1:])} (in {root})")
-    print(f"results go to {root / 'benchmarks' / 'results'}")
+    print(f"results: the table below; the full results go to {Path(root, out)}")
     sys.stdout.flush()
     try:
         rc = subprocess.call(cmd, cwd=root)
@@ -360,8 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run the benchmark suite (source checkout only)",
         description=(
-            "Run benchmarks/run.py of the source checkout this package lives in; results "
-            "go to benchmarks/results. Extra arguments after '--' are passed through."
+            "Run benchmarks/run.py of the source checkout this package lives in. It prints "
+            "a table; the full results go to a new JSON file in the temp folder (named "
+            "before the run), or to PATH with '-- --json PATH'. Extra arguments after '--' "
+            "are passed through."
         ),
     )
     bench.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")

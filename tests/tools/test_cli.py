@@ -204,6 +204,11 @@ def test_trace_not_a_trace(tmp_path, capsys):
 # -- bench -----------------------------------------------------------------------------
 
 
+def test_bench_finds_the_suite_of_this_checkout():
+    assert _cli._repo_root() == REPO
+    assert (REPO / "benchmarks" / "run.py").is_file()
+
+
 def test_bench_without_suite(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(_cli, "_repo_root", lambda: tmp_path)
     assert main(["bench"]) == 2
@@ -218,12 +223,28 @@ def test_bench_runs_the_suite_with_quick(tmp_path, capsys, monkeypatch):
         f"json.dump([sys.argv[1:], os.getcwd()], open({str(record)!r}, 'w'))\n"
     )
     monkeypatch.setattr(_cli, "_repo_root", lambda: tmp_path)
+    monkeypatch.setattr(_cli.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert main(["bench", "--quick", "--", "--only", "launch"]) == 0
     out = capsys.readouterr().out
-    assert "benchmarks/results" in out.replace(os.sep, "/")
     argv, cwd = json.loads(record.read_text())
-    assert argv == ["--quick", "--only", "launch"]
+    assert argv[:3] == ["--quick", "--only", "launch"] and argv[3] == "--json"
+    # The full results go to a new file in the temp folder, named before the run.
+    written = Path(argv[4])
+    assert written.parent == tmp_path / "tmp" and written.suffix == ".json"
+    assert f"the full results go to {written}" in out
     assert Path(cwd) == tmp_path
+
+
+def test_bench_names_the_json_path_it_was_given(tmp_path, capsys, monkeypatch):
+    (tmp_path / "benchmarks").mkdir()
+    record = tmp_path / "argv.json"
+    (tmp_path / "benchmarks" / "run.py").write_text(
+        f"import json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n"
+    )
+    monkeypatch.setattr(_cli, "_repo_root", lambda: tmp_path)
+    assert main(["bench", "--", "--json", "out/r.json"]) == 0
+    assert json.loads(record.read_text()) == ["--json", "out/r.json"]  # no second --json
+    assert f"the full results go to {tmp_path / 'out' / 'r.json'}" in capsys.readouterr().out
 
 
 def test_bench_failure_propagates(tmp_path, capsys, monkeypatch):
