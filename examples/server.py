@@ -15,7 +15,7 @@ A bounded load generator (its own event loop, in a thread of this process)
 sends ``--requests`` requests from ``--concurrency`` concurrent clients over
 loopback, checks every reply against NumPy and stops by itself. The script
 prints requests/s, p50/p99 latency and the longest event-loop stall of each
-version, and writes them to ``server-results.json`` in ``--out``.
+version, and, given ``--out DIR``, writes them to ``DIR/server-results.json``.
 
     python examples/server.py                          # default device
     python examples/server.py --device cpu --requests 100 --json
@@ -239,7 +239,7 @@ async def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32, help="concurrent clients (default 32)")
     p.add_argument("--size", type=int, default=4096, help="float32 elements per request")
     p.add_argument("--iters", type=int, default=8, help="kernel work per element")
-    p.add_argument("--out", default=".", help="folder for server-results.json")
+    p.add_argument("--out", help="write server-results.json into this folder (default: none)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     args = p.parse_args(argv)
     if args.requests < 1 or args.concurrency < 1 or args.size < 1:
@@ -259,9 +259,12 @@ async def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "verified": all(r["wrong_replies"] == 0 and r["requests"] == args.requests for r in runs),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "server-results.json").write_text(json.dumps(result, indent=2) + "\n")
+    saved = None
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        saved = out / "server-results.json"
+        saved.write_text(json.dumps(result, indent=2) + "\n")
 
     if args.json:
         print(json.dumps(result, indent=2))
@@ -279,7 +282,7 @@ async def main(argv: list[str] | None = None) -> int:
             )
         print(f"what this means here: {COMPARISON_NOTE.get(device['api'], '')}")
         verdict = "every reply matches NumPy" if result["verified"] else "WRONG REPLIES"
-        print(f"verified: {verdict}; results in {out / 'server-results.json'}")
+        print(f"verified: {verdict}" + (f"; results in {saved}" if saved else ""))
     return 0 if result["verified"] else 1
 
 

@@ -111,3 +111,10 @@ def test_server(tmp_path, as_json, api):
     else:
         assert "req/s" in r.stdout and "p99 ms" in r.stdout
         assert "verified: every reply matches NumPy" in r.stdout
+
+
+def test_server_writes_a_file_only_when_given_out(tmp_path, api):
+    args = ["--device", api, "--requests", "8", "--concurrency", "2", "--size", "64", "--json"]
+    r = run_example("server.py", *args, cwd=tmp_path, api=api)
+    assert json.loads(r.stdout)["verified"] is True
+    assert list(tmp_path.iterdir()) == []  # nothing in the current folder
