@@ -105,6 +105,21 @@ def _device_facts(api: str, device_id: int) -> dict[str, Any]:
     return facts
 
 
+def _why_no_device(api: str) -> str:
+    """Why ``api`` has no device, in the words opening one would raise (the count
+    alone says only that there is none); ``info`` and ``demo`` both say this."""
+    from .._api.context import DeviceContext
+    from .._errors import NoDeviceError
+
+    try:
+        DeviceContext(0, api=api).close()
+    except NoDeviceError as e:
+        return str(e)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no device found"
+
+
 def _api_facts(api: str) -> dict[str, Any]:
     from .._api.context import DeviceContext
 
@@ -113,7 +128,7 @@ def _api_facts(api: str) -> dict[str, Any]:
     except Exception as e:
         return {"api": api, "available": False, "reason": f"{type(e).__name__}: {e}", "devices": []}
     if count == 0:
-        return {"api": api, "available": False, "reason": "no device found", "devices": []}
+        return {"api": api, "available": False, "reason": _why_no_device(api), "devices": []}
     devices = []
     for i in range(count):
         try:
@@ -203,6 +218,7 @@ def _positive(text: str) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from .._errors import NoDeviceError
     from .demo import run_demo
 
     try:
@@ -218,6 +234,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     except BrokenPipeError:
         raise  # the reader went away: main ends quietly
+    except NoDeviceError as e:  # the same line as ``info --api cuda``
+        return _fail(f"no {args.api or 'cuda'} device: {e}")
     except Exception as e:
         return _fail(f"demo failed: {type(e).__name__}: {e}")
     return 0

@@ -135,6 +135,21 @@ def test_demo_on_a_missing_api_fails_cleanly(tmp_path, capsys, monkeypatch):
     assert "nonsense" in _one_error_line(capsys.readouterr().err)
 
 
+def test_no_gpu_is_one_reason_in_one_wording(tmp_path, capsys):
+    from asyncgpu import DeviceContext
+
+    if DeviceContext.number_of_devices(api="cuda") > 0:
+        pytest.skip("this machine has a CUDA GPU")
+    assert main(["info", "--api", "cuda"]) == 2
+    out, err = capsys.readouterr()
+    info_line = _one_error_line(err)
+    assert main(["demo", "--api", "cuda", "--out", str(tmp_path), "--no-png"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == info_line
+    reason = info_line.removeprefix("asyncgpu: error: no cuda device: ")
+    assert reason != info_line and reason != "no device found"
+    assert f"[cuda] not available: {reason}" in out
+
+
 def test_info_with_a_bad_device_api_variable_fails_cleanly(capsys, monkeypatch):
     monkeypatch.setenv("ASYNCGPU_API", "bogus")
     assert main(["info"]) == 2
