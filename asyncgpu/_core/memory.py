@@ -22,6 +22,7 @@ from .._accel import native
 from .._errors import ContextClosedError
 from .._types import check_int
 from .dlpack import array_interface, dlpack_device, export_dlpack, host_array
+from .pool import host_work
 
 if TYPE_CHECKING:
     from .event import DeviceEvent
@@ -288,6 +289,27 @@ class _BufferBase(native.BufferCore):
             f" at 0x{self._ptr:x}>"
         )
 
+    def __str__(self) -> str:
+        """MAX's form, the values: ``HostBuffer([0, 1, 2])``; a buffer longer than
+        NumPy's print threshold shows its first and last ``edgeitems`` values with
+        ``...`` between (``np.set_printoptions``)."""
+        return f"{type(self).__name__}({_format_values(self._values_to_print())})"
+
+    def _values_to_print(self) -> np.ndarray:
+        raise NotImplementedError
+
+
+def _format_values(a: np.ndarray) -> str:
+    """``[v0, v1, ...]`` with each value as NumPy prints the scalar (``1.0``, ``7``),
+    summarized in the middle as NumPy summarizes a long array."""
+    opts = np.get_printoptions()
+    if a.size > opts["threshold"]:
+        e = opts["edgeitems"]
+        items = [*map(str, a[:e]), "...", *map(str, a[a.size - e :])]
+    else:
+        items = [str(v) for v in a]
+    return "[" + ", ".join(items) + "]"
+
 
 @atexit.register
 def _at_exit() -> None:
@@ -296,10 +318,25 @@ def _at_exit() -> None:
 
 
 class DeviceBuffer(_BufferBase):
-    """Memory in the device's global memory (host memory on the CPU device)."""
+    """Memory in the device's global memory (host memory on the CPU device).
+
+    ``str(buf)`` shows the values, as MAX prints a buffer: it waits for the owning
+    stream's work so far (blocking, as ``synchronize()`` does), then copies the
+    contents to the host to print them. Called from a CPU function running on the
+    owning stream, it does not wait (that stream's earlier work has finished, and
+    a wait would be for the CPU function itself): it reads the memory as it is.
+    ``repr(buf)`` describes the buffer without touching its memory."""
 
     __slots__ = ()
     _kind = "device"
+
+    def _values_to_print(self) -> np.ndarray:
+        self._check()
+        if host_work.stream is not self._owner:
+            self.context().synchronize()
+        if self._hostbytes is not None:
+            return self._hostbytes.view(self._dtype)
+        return self._ctx._state.backend.read_device(self._ptr, self._nbytes).view(self._dtype)
 
     def map_to_host(self) -> _HostMapping:
         """Map the buffer's contents to the host: ``with buf.map_to_host() as h``
@@ -360,11 +397,16 @@ class DeviceBuffer(_BufferBase):
 
 class HostBuffer(_BufferBase):
     """Page-locked host memory the device can reach (plain memory on the CPU
-    device). Indexing and ``as_numpy()`` touch the memory directly: await the
-    operations that write it first."""
+    device). Indexing, ``as_numpy()`` and ``str(h)`` (MAX's form, the values:
+    ``HostBuffer([0, 1, 2])``) touch the memory directly: await the operations
+    that write it first."""
 
     __slots__ = ()
     _kind = "host"
+
+    def _values_to_print(self) -> np.ndarray:
+        self._check()
+        return host_array(self)
 
     def as_numpy(self) -> np.ndarray:
         """A NumPy view of the buffer (no copy) that keeps the buffer, and so its

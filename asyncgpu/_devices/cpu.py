@@ -441,6 +441,10 @@ class CpuBackend:
     def pointer_host_view(self, ptr: int, nbytes: int) -> np.ndarray | None:
         return _raw_bytes(ptr, nbytes)
 
+    def read_device(self, ptr: int, nbytes: int) -> np.ndarray:
+        """The bytes at ``ptr`` now (device memory is host memory here)."""
+        return _raw_bytes(ptr, nbytes).copy()
+
     def init_user_event(
         self, ev: DeviceEvent, blocking_sync: bool, disable_timing: bool, interprocess: bool
     ) -> None:

@@ -397,3 +397,61 @@ def test_buffers_keep_working_after_the_python_array_they_came_from_is_gone(
 def test_repr_names_dtype_and_stream(ctx: DeviceContext) -> None:
     r = repr(ctx.select_stream(2).enqueue_create_buffer(np.float32, 7))
     assert "float32[7]" in r and "s2" in r
+
+
+# -- printing: str() is MAX's form (the values), repr() describes the buffer ---------------
+
+
+def _finished(ev, timeout_s: float = 30.0):
+    """``ev``'s value, failing (not hanging) if it does not finish in time."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not ev.query():
+        assert time.monotonic() < end, "the operation did not finish: a print waited for itself"
+        time.sleep(0.005)
+    return ev.synchronize()
+
+
+def test_str_of_a_host_buffer_is_its_values(ctx: DeviceContext) -> None:
+    h = ctx.enqueue_create_host_buffer(np.uint16, 15)
+    ctx.enqueue_copy(h, np.arange(15, dtype=np.uint16)).synchronize()
+    assert str(h) == "HostBuffer([" + ", ".join(str(i) for i in range(15)) + "])"
+    assert repr(h).startswith("<HostBuffer uint16[15] on ") and " at 0x" in repr(h)
+    f = ctx.enqueue_create_host_buffer(np.float32, 3)
+    ctx.enqueue_copy(f, np.array([0.5, 1, -2], np.float32)).synchronize()
+    assert str(f) == "HostBuffer([0.5, 1.0, -2.0])"
+    assert str(ctx.enqueue_create_host_buffer(np.int8, 0)) == "HostBuffer([])"
+
+
+def test_str_of_a_long_buffer_is_elided_in_the_middle(ctx: DeviceContext) -> None:
+    h = ctx.enqueue_create_host_buffer(np.float32, 1001)
+    ctx.enqueue_copy(h, np.arange(1001, dtype=np.float32)).synchronize()
+    assert str(h) == "HostBuffer([0.0, 1.0, 2.0, ..., 998.0, 999.0, 1000.0])"
+    with np.printoptions(threshold=2000):
+        assert str(h).count(", ") == 1000 and "..." not in str(h)
+    with np.printoptions(edgeitems=1):
+        assert str(h) == "HostBuffer([0.0, ..., 1000.0])"
+
+
+def test_str_of_a_device_buffer_waits_for_its_stream_and_copies_to_the_host(
+    ctx: DeviceContext,
+) -> None:
+    buf = ctx.enqueue_create_buffer(np.int32, 1001)
+    ctx.enqueue_copy(buf, np.arange(1001, dtype=np.int32))  # not awaited: str waits
+    assert str(buf) == "DeviceBuffer([0, 1, 2, ..., 998, 999, 1000])"
+    assert repr(buf).startswith("<DeviceBuffer int32[1001] on ")
+
+
+def test_str_of_a_device_buffer_in_a_cpu_function_of_its_own_stream(ctx: DeviceContext) -> None:
+    buf = ctx.enqueue_create_buffer(np.float32, 4)
+    ctx.enqueue_copy(buf, np.array([1, 2, 3, 4], np.float32))
+    # The owning stream's earlier work has finished: the print reads, it does not wait.
+    printed = ctx.enqueue_cpu_function(lambda: str(buf))
+    ctx.enqueue_memset(buf, 0.0)  # later work does not show
+    assert _finished(printed) == "DeviceBuffer([1.0, 2.0, 3.0, 4.0])"
+    # From another stream's CPU function it waits for the owning stream.
+    ctx.enqueue_copy(buf, np.array([5, 6, 7, 8], np.float32))
+    other = ctx.select_stream(1).enqueue_cpu_function(lambda: str(buf))
+    assert _finished(other) == "DeviceBuffer([5.0, 6.0, 7.0, 8.0])"
+    ctx.synchronize()
