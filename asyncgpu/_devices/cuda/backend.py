@@ -508,6 +508,16 @@ class CudaBackend:
     def pointer_host_view(self, ptr: int, nbytes: int) -> np.ndarray | None:
         return None
 
+    def read_device(self, ptr: int, nbytes: int) -> np.ndarray:
+        """The bytes at device address ``ptr`` now (``cuMemcpyDtoH``, synchronous, on
+        the legacy default stream: asyncgpu's streams are non-blocking, so it waits
+        for none of them; the caller has ordered it after the writes it must see)."""
+        out = np.empty(nbytes, np.uint8)
+        if nbytes:
+            with self.push_context():
+                _check(cu.cuMemcpyDtoH(out.ctypes.data, ptr, nbytes), "cuMemcpyDtoH")
+        return out
+
     def _make_stage_kit(self) -> tuple[Any, list[Any]]:
         """A stream and ``_STAGE_SLOTS`` events for one staged copy
         (``cuStreamCreate``, ``cuEventCreate``)."""
