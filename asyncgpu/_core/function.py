@@ -41,6 +41,20 @@ def reject_python_scalar(n: int, a: Any) -> None:
         )
 
 
+def reject_unpassable_scalar(n: int, a: Any) -> None:
+    """A NumPy scalar with no C parameter type (a string, bytes, datetime, timedelta
+    or object scalar, a structure holding objects, a subarray) raises
+    ``TypeError`` (on every device alike). A structured scalar (``np.void``) is a
+    C struct, passed by value."""
+    if isinstance(a, np.generic):
+        dt = a.dtype
+        if dt.kind in "OSUMm" or dt.hasobject or dt.subdtype is not None or dt.itemsize == 0:
+            raise TypeError(
+                f"kernel argument {n} ({type(a).__name__}, dtype {dt}) has no C parameter "
+                "type: give a number, a structured scalar (np.void) or a buffer"
+            )
+
+
 class Kernel:
     """A kernel with a CUDA C++ source, a NumPy body, or both.
 

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._core.event import DeviceEvent, _UserEvent
-from .._core.function import DeviceFunction, Kernel, ThreadBlock, reject_python_scalar
+from .._core.function import (
+    DeviceFunction,
+    Kernel,
+    ThreadBlock,
+    reject_python_scalar,
+    reject_unpassable_scalar,
+)
 from .._core.memory import _BufferBase
 from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work
 from .._core.stream import _StreamImpl
@@ -214,6 +220,7 @@ class CpuStream(_StreamImpl):
             raise UnsupportedError("the CPU device has no __constant__ memory")
         for n, a in enumerate(args):
             reject_python_scalar(n, a)
+            reject_unpassable_scalar(n, a)
         body = fn._impl
         _check_arity(body, fn.name, len(args))
         host_args = tuple(_kernel_arg(a) for a in args)

@@ -15,6 +15,7 @@ from asyncgpu import (
     FuncAttribute,
     Kernel,
     LaunchAttribute,
+    ThreadBlock,
     UnsupportedError,
     kernel,
 )
@@ -394,3 +395,69 @@ def test_occupancy_answers_for_a_valid_block_and_refuses_the_rest(ctx: DeviceCon
             f.occupancy(bad)
     with pytest.raises(ValueError, match="shared_mem_bytes"):
         f.occupancy(256, shared_mem_bytes=-1)
+
+
+# -- structured scalars (C structs) by value; arguments that cannot be passed ---------------
+
+AFFINE_T = np.dtype([("scale", "<f4"), ("shift", "<i4"), ("bias", "<f8")], align=True)
+
+
+def _affine_cpu(b: ThreadBlock, out: np.ndarray, p: np.void, n: np.int32) -> None:
+    i = b.block_idx.x * b.block_dim.x + b.thread_idx.x
+    i = i[i < n]
+    out[i] = p["scale"] * i + p["shift"] + p["bias"]
+
+
+AFFINE = Kernel(
+    "affine",
+    cuda=r"""
+struct Affine { float scale; int shift; double bias; };
+extern "C" __global__ void affine(double* out, Affine p, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = p.scale * i + p.shift + p.bias;
+}
+""",
+    cpu=_affine_cpu,
+)
+
+
+def test_a_structured_scalar_is_passed_by_value(ctx: DeviceContext) -> None:
+    assert AFFINE_T.itemsize == 16  # the C struct's size and layout
+    p = np.array((0.5, 3, 0.25), AFFINE_T)[()]
+    assert isinstance(p, np.void)
+    n = 64
+    out = ctx.enqueue_create_buffer(np.float64, n)
+    ctx.enqueue_function(AFFINE, out, p, np.int32(n), grid_dim=1, block_dim=n)
+    got = np.empty(n, np.float64)
+    ctx.enqueue_copy(got, out).synchronize()
+    np.testing.assert_array_equal(got, 0.5 * np.arange(n) + 3 + 0.25)
+
+
+def test_a_structured_scalar_of_the_wrong_size_is_a_type_error(
+    ctx: DeviceContext, api: str
+) -> None:
+    if api == "cpu":
+        pytest.skip("a NumPy body has no C signature to check sizes against")
+    small = np.array((0.5, 3), np.dtype([("scale", "<f4"), ("shift", "<i4")]))[()]
+    out = ctx.enqueue_create_buffer(np.float64, 4)
+    with pytest.raises(TypeError, match="16 bytes"):
+        ctx.enqueue_function(AFFINE, out, small, np.int32(4), grid_dim=1, block_dim=4)
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        np.str_("x"),
+        np.bytes_(b"xy"),
+        np.timedelta64(1, "s"),
+        np.array((1, None), np.dtype([("a", "<i4"), ("o", "O")]))[()],
+    ],
+    ids=["str", "bytes", "timedelta", "struct-with-object"],
+)
+def test_an_argument_that_cannot_be_passed_is_our_type_error_at_the_call(
+    ctx: DeviceContext, arg: object
+) -> None:
+    out = ctx.enqueue_create_buffer(np.float64, 4)
+    with pytest.raises(TypeError, match="no C parameter type"):
+        ctx.enqueue_function(AFFINE, out, arg, np.int32(4), grid_dim=1, block_dim=4)
+    ctx.synchronize()
