@@ -753,7 +753,8 @@ class CudaBackend:
         self, stream: CudaStream, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any]
     ) -> None:
         """``cuLaunchKernelEx`` with launch attributes cuda.core's LaunchConfig lacks
-        (priority)."""
+        (priority), or with arguments cuda.core cannot pass (a structured scalar:
+        the parameter is its bytes)."""
         cc = cfg.cc
         grid = tuple(cc.grid) + (1,) * (3 - len(tuple(cc.grid)))
         block = tuple(cc.block) + (1,) * (3 - len(tuple(cc.block)))
@@ -763,21 +764,23 @@ class CudaBackend:
         conf.sharedMemBytes = int(cc.shmem_size or 0)
         conf.hStream = stream.raw
         attrs = []
-        pa = cu.CUlaunchAttribute()
-        pa.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY
-        pa.value.priority = int(cfg.priority or 0)
-        attrs.append(pa)
+        if cfg.priority is not None:  # else the stream's own priority holds
+            pa = cu.CUlaunchAttribute()
+            pa.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+            pa.value.priority = int(cfg.priority)
+            attrs.append(pa)
         if cfg.coop:
             ca = cu.CUlaunchAttribute()
             ca.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
             ca.value.cooperative = 1
             attrs.append(ca)
-        conf.attrs = attrs
+        if attrs:
+            conf.attrs = attrs
         conf.numAttrs = len(attrs)
         holders = []
         for a in kargs:
             if isinstance(a, np.generic):
-                holders.append(np.array(a))
+                holders.append(np.array(a))  # a structured scalar: its bytes, as the struct
             else:
                 holders.append(
                     np.array(int(a.handle) if hasattr(a, "handle") else int(a), dtype=np.uint64)

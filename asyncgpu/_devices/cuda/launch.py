@@ -30,7 +30,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from ... import _accel
-from ..._core.function import reject_python_scalar
+from ..._core.function import reject_python_scalar, reject_unpassable_scalar
 from ..._core.memory import DeviceBuffer, HostBuffer
 
 _SHMEM_DEFAULT_LIMIT = 48 * 1024
@@ -116,21 +116,28 @@ class _ArgPlan:
     another library's array, a cuda.core object, a float16 or bool), and then
     cuda.core's launch takes the arguments."""
 
-    __slots__ = ("codes", "conv", "foreign", "types")
+    __slots__ = ("codes", "conv", "foreign", "structs", "types")
 
     def __init__(
         self,
         conv: tuple[tuple[int, int], ...],
         types: tuple[type, ...] = (),
         codes: bytes | None = None,
+        structs: bool = False,
     ) -> None:
         self.conv = conv
         self.foreign = any(kind == _CAI for _, kind in conv)
         self.types = types
         self.codes = codes
+        # A structured scalar (a C struct by value): cuda.core's launch cannot pass
+        # one, so the launch goes through cuLaunchKernelEx with its bytes.
+        self.structs = structs
 
 
 _BUFFER, _CAI = 0, 1
+# The NumPy scalars cuda.core's launch passes: kind -> sizes (a structured scalar,
+# kind "V", goes through cuLaunchKernelEx instead).
+_PASSABLE = {"i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "b": (1,), "c": (8, 16)}
 # The compiled launch's codes of NumPy scalar kinds and sizes (``asyncgpu._native``'s
 # argument codes; a buffer is b"P").
 _NATIVE_CODES = {
@@ -191,6 +198,7 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
     conv: list[tuple[int, int]] = []
     sizes: list[int] = []
     codes: bytes | None = b""
+    structs = False
     for n, a in enumerate(args):
         t = type(a)
         code: bytes | None
@@ -199,8 +207,17 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
             sizes.append(8)
             code = b"P"
         elif isinstance(a, np.generic):
-            sizes.append(a.dtype.itemsize)
-            code = _NATIVE_CODES.get((a.dtype.kind, a.dtype.itemsize))
+            reject_unpassable_scalar(n, a)
+            kind, size = a.dtype.kind, a.dtype.itemsize
+            if kind == "V":
+                structs = True
+            elif size not in _PASSABLE.get(kind, ()):
+                raise TypeError(
+                    f"kernel argument {n} ({t.__name__}) has no CUDA parameter type: give "
+                    "an integer, float16/32/64, bool, complex64/128 or structured scalar"
+                )
+            sizes.append(size)
+            code = _NATIVE_CODES.get((kind, size))
         elif t in (int, float, bool, complex):
             reject_python_scalar(n, a)
         elif isinstance(a, np.ndarray):
@@ -228,4 +245,14 @@ def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
                     f"kernel {impl.name} argument {n} is {w} bytes, but "
                     f"{type(args[n]).__name__} is {got} bytes"
                 )
-    return _ArgPlan(tuple(conv), tuple(map(type, args)), codes if want is not None else None)
+    if structs and impl.param_sizes is None:
+        raise TypeError(
+            f"kernel {impl.name} has no signature to check a structured scalar's size "
+            "against (its PTX could not be read): pass the struct's fields instead"
+        )
+    return _ArgPlan(
+        tuple(conv),
+        tuple(map(type, args)),
+        codes if want is not None and not structs else None,
+        structs,
+    )

@@ -438,6 +438,11 @@ class CudaStream(_PolledStream):
                 ready = False
             if not ready:
                 return self.launch(fn, args, cfg, ())
+        if plan.structs and getattr(cfg.cc, "cluster", None):
+            raise TypeError(
+                "a cluster launch cannot take a structured scalar argument: pass the "
+                "struct's fields instead"
+            )
         kargs = _kernel_args(plan, args)
         if plan.foreign and self._pending is not None:
             self._settle()  # the other library's stream will wait for this launch
@@ -446,10 +451,13 @@ class CudaStream(_PolledStream):
             # Arrays of other libraries (CuPy, PyTorch): order the launch after
             # their producer stream, and that stream after the launch.
             waits = _interop.launch_streams(self, args) if plan.foreign else ()
+            raw = plan.structs
             if self._pending is not None:
-                self._pending.append((self._seq + 1, partial(self._launch_now, impl, cfg, kargs)))
+                self._pending.append(
+                    (self._seq + 1, partial(self._launch_now, impl, cfg, kargs, raw))
+                )
             else:
-                self._launch_now(impl, cfg, kargs)
+                self._launch_now(impl, cfg, kargs, raw)
             self._after_copy = False
             ev = self._mark(args)
             if waits:
@@ -457,9 +465,12 @@ class CudaStream(_PolledStream):
         self._prune()
         return ev
 
-    def _launch_now(self, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any]) -> None:
-        """A launch through cuda.core (or ``cuLaunchKernelEx`` for a priority)."""
-        if cfg.priority is None:
+    def _launch_now(
+        self, impl: _CudaFunction, cfg: _LaunchCfg, kargs: Sequence[Any], raw: bool = False
+    ) -> None:
+        """A launch through cuda.core (or ``cuLaunchKernelEx`` for a priority, or
+        for structured scalars, which cuda.core cannot pass)."""
+        if cfg.priority is None and not raw:
             _launch(self.cs, cfg.cc, impl.kernel, *kargs)
         else:
             self.backend.launch_raw(self, impl, cfg, kargs)
