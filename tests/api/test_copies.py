@@ -483,3 +483,22 @@ def test_a_buffer_copy_reaches_the_stream_in_three_python_calls(ctx: DeviceConte
         gc.enable()
     ev.synchronize()
     assert called == ["enqueue_copy", "_copy", "copy_operands", "<stream copy>"]
+
+
+def test_a_cpu_context_host_buffer_in_a_cuda_copy_is_refused_with_the_way_around(
+    ctx: DeviceContext, api: str
+) -> None:
+    """MAX lets a CPU context's host buffer take part in a GPU context's copies;
+    asyncgpu refuses it (docs/guarantees.md) and the NumPy view is the way around."""
+    if api == "cpu":
+        pytest.skip("needs a CUDA context beside the CPU one")
+    with DeviceContext(api="cpu") as cpu:
+        host = cpu.enqueue_create_host_buffer(np.float32, 8)
+        cpu.enqueue_copy(host, np.arange(8, dtype=np.float32)).synchronize()
+        dev = ctx.enqueue_create_buffer(np.float32, 8)
+        with pytest.raises(ValueError, match="cannot be used by the"):
+            ctx.enqueue_copy(dev, host)
+        ctx.enqueue_copy(dev, host.as_numpy())
+        out = np.zeros(8, np.float32)
+        ctx.enqueue_copy(out, dev).synchronize()
+        np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32))
