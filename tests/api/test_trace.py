@@ -383,3 +383,44 @@ def test_the_edges_are_the_nodes_dependencies_in_the_order_they_were_recorded() 
         TraceEdge(0, 3, "wait"),
     ]
     assert t.as_dict()["edges"][2] == {"src": 0, "dst": 2, "kind": "wait"}
+
+
+# -- an awaited operation's record is complete when its await returns --------------------
+
+
+@pytest.mark.asyncio
+async def test_an_awaited_operation_has_its_end_time_when_the_await_returns(
+    ctx: DeviceContext,
+) -> None:
+    streams = [ctx.select_stream(i) for i in range(4)]
+    with ctx.trace() as t:
+        for i in range(200):
+            ev = streams[i % 4].enqueue_cpu_function(lambda: None)
+            await ev
+            n = t.node_of(ev)
+            assert n is not None and n.end_ns is not None and n.start_ns is not None
+        ctx.synchronize()
+
+
+@pytest.mark.asyncio
+async def test_the_trace_end_is_stamped_before_any_awaiter_can_run(
+    ctx: DeviceContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow end stamp (the thread that finishes the operation pauses in it) is
+    still complete before the awaiting task resumes: the stamp comes before the
+    event is done, not after its waiters are woken."""
+    on_done = Trace._on_done
+
+    def slow_on_done(self: Trace, ev: DeviceEvent) -> None:
+        time.sleep(0.002)
+        on_done(self, ev)
+
+    monkeypatch.setattr(Trace, "_on_done", slow_on_done)
+    with ctx.trace() as t:
+        for _ in range(10):
+            ev = ctx.enqueue_cpu_function(lambda: None)
+            await ev
+            assert t.node_of(ev).end_ns is not None
+            other = ctx.enqueue_cpu_function(lambda: None)
+            other.synchronize()
+            assert t.node_of(other).end_ns is not None
