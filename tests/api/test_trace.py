@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import json
@@ -424,3 +425,44 @@ async def test_the_trace_end_is_stamped_before_any_awaiter_can_run(
             other = ctx.enqueue_cpu_function(lambda: None)
             other.synchronize()
             assert t.node_of(other).end_ns is not None
+
+
+# -- async with: the exit awaits the streams ----------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_async_with_trace_awaits_the_streams_then_writes_the_file(
+    ctx: DeviceContext, gate, tmp_path: Path
+) -> None:
+    """The exit waits for a stream that a gate holds by awaiting, not by blocking
+    the loop: another task runs meanwhile (here it is the one that opens the
+    gate), and the file, written after, has every operation complete."""
+    path = tmp_path / "trace.json"
+    g = gate()
+    seen: list[bool] = []
+
+    async def opener() -> None:
+        while not g.entered.is_set():
+            await asyncio.sleep(0.001)
+        seen.append(path.exists())  # the exit is waiting: nothing written yet
+        g.open()
+
+    async with ctx.trace(path) as t:
+        assert isinstance(t, Trace)
+        ctx.enqueue_cpu_function(g)
+        after = ctx.enqueue_cpu_function(lambda: 1)
+        task = asyncio.ensure_future(opener())  # runs once this task yields: in the exit
+    assert seen == [False] and task.done()
+    assert after.query() and t.node_of(after).end_ns is not None
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == 2 and not [e for e in spans if "incomplete" in e["args"]]
+
+
+@pytest.mark.asyncio
+async def test_async_with_trace_without_a_path_stops_recording(ctx: DeviceContext) -> None:
+    async with ctx.trace() as t:
+        inside = ctx.enqueue_cpu_function(lambda: 0)
+    outside = ctx.enqueue_cpu_function(lambda: 1)
+    await outside
+    assert t.node_of(inside) is not None and t.node_of(outside) is None
