@@ -8,7 +8,8 @@ nothing else.
 Times are nanoseconds of ``time.perf_counter_ns`` on the host: ``submit_ns`` when
 the operation was enqueued, ``end_ns`` when its completion was noticed and
 ``start_ns`` the later of its submission and the end of everything it depends on
-(on the CPU device that is when it could start).
+(when it could start), unless the device stamped when it really started: the CPU
+device does, when a pool thread starts the work.
 The end is stamped before the operation's event is marked done, so whoever sees
 it done finds the node complete.
 
@@ -208,7 +209,9 @@ class Trace:
                     # (the usual case: what it follows on its stream was seen first)
                     start = sub = node.submit_ns
                     node.end_ns = end = end if end > sub else sub
-                    if deps:
+                    if node.start_ns is not None:  # (stamped where the work began)
+                        start = node.start_ns
+                    elif deps:
                         dep_end: int = nodes[deps[0]].end_ns  # type: ignore[assignment]
                         if dep_end > start:
                             start = dep_end
@@ -237,7 +240,10 @@ class Trace:
                 continue
             stack.pop()
             n.end_ns = end = max(now, n.submit_ns)
-            n.start_ns = _start_ns(n, end, [nodes[d].end_ns for d in n.deps])
+            if n.start_ns is not None:  # (stamped where the work began)
+                n.start_ns = min(n.start_ns, end)
+            else:
+                n.start_ns = _start_ns(n, end, [nodes[d].end_ns for d in n.deps])
 
     def device_times(self) -> None:
         """Fill ``device_start_ns`` / ``device_end_ns`` of every node whose end the

@@ -466,3 +466,45 @@ async def test_async_with_trace_without_a_path_stops_recording(ctx: DeviceContex
     outside = ctx.enqueue_cpu_function(lambda: 1)
     await outside
     assert t.node_of(inside) is not None and t.node_of(outside) is None
+
+
+# -- CPU device: a span starts when a pool thread starts the work ---------------------------
+
+_ONE_THREAD_SCRIPT = """
+import time
+import asyncgpu
+
+with asyncgpu.DeviceContext(api="cpu") as ctx:
+    assert ctx.num_streams() >= 4
+    with ctx.trace() as t:
+        evs = []
+        for i in range(4):
+            s = ctx.select_stream(i)
+            evs.append(s.enqueue_cpu_function(time.sleep, 0.02))
+            evs.append(s.enqueue_cpu_range(lambda j: time.sleep(0.005), 2))
+        ctx.synchronize()
+        for i in range(4):
+            ctx.select_stream(i).synchronize()
+    spans = sorted((t.node_of(e).start_ns, t.node_of(e).end_ns) for e in evs)
+    for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
+        assert s0 <= e0 <= s1 <= e1, spans
+print("OK")
+"""
+
+
+def test_cpu_spans_start_when_a_pool_thread_starts_the_work(tmp_path: Path) -> None:
+    """With one pool thread, work on four streams runs one operation at a time,
+    and the trace says so: no two spans overlap (a span that began when the work
+    could start, not when the thread took it, would overlap the others). In a
+    child process: the pool's size is read once, when it is made."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "one_thread.py"
+    script.write_text(_ONE_THREAD_SCRIPT)
+    env = dict(os.environ, ASYNCGPU_CPU_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
