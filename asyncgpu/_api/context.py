@@ -451,7 +451,7 @@ class DeviceContext(native.ContextCore):
             # that work has already finished (so nothing is left to wait for).
             waits = () if ev is None else (ev,)
             lanes = () if source is None else (source.label,)
-            trace.record(impl, out, "wait", f"wait {other!r}", 0, waits, lanes)
+            trace.record(impl, out, "wait", _wait_label(impl, other, source), 0, waits, lanes)
         return out
 
     # -- memory --------------------------------------------------------------------------------
@@ -970,6 +970,25 @@ def _int_dims(v: Any) -> bool:
                 return False
         return True
     return isinstance(v, np.integer)
+
+
+def _wait_label(impl: _StreamImpl, other: Any, source: _StreamImpl | None) -> str:
+    """A traced wait's label names what it waits for: ``wait s1`` (a stream, or a
+    context's current stream), ``wait s1#2`` (operation 2 of s1, or the point
+    where a user event was recorded there); a stream of another device keeps
+    its device (``wait cuda:1/s0``)."""
+    if source is not None:
+        return f"wait {_lane_name(impl, source)}"
+    stream = other._stream if isinstance(other, DeviceEvent) else None
+    if stream is None:
+        return "wait event"
+    return f"wait {_lane_name(impl, stream)}#{other._seq}"
+
+
+def _lane_name(impl: _StreamImpl, stream: Any) -> str:
+    """``stream``'s label, without its device where it is ``impl``'s."""
+    device, _, name = stream.label.rpartition("/")
+    return name if device == impl.label.rpartition("/")[0] else stream.label
 
 
 def _completed() -> DeviceEvent:

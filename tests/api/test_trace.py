@@ -508,3 +508,22 @@ def test_cpu_spans_start_when_a_pool_thread_starts_the_work(tmp_path: Path) -> N
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_wait_labels_name_what_they_wait_for(ctx: DeviceContext) -> None:
+    s1, s2 = ctx.select_stream(1), ctx.select_stream(2)
+    user = ctx.create_event()
+    with ctx.trace() as t:
+        s1.enqueue_cpu_function(lambda: 0)
+        op = s1.enqueue_cpu_function(lambda: 1)
+        s1.stream().record_event(user)
+        waits = [
+            s2.enqueue_wait_for(s1),
+            s2.enqueue_wait_for(ctx.select_stream(1)),
+            s2.enqueue_wait_for(op),
+            s2.enqueue_wait_for(user),
+        ]
+        s2.synchronize()
+    labels = [t.node_of(w).label for w in waits]
+    assert labels == ["wait s1", "wait s1", f"wait s1#{op._seq}", f"wait s1#{user._seq}"]
+    assert all("<" not in n.label for n in t.nodes.values() if n.kind == "wait")
