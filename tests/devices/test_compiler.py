@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -552,3 +553,55 @@ def test_a_source_whose_includes_cannot_be_followed_is_not_cached(tmp_path, monk
         m = compile_cuda('#include "nowhere.h"\n', "k", arch="sm_90", cache_dir=tmp_path)
         assert m.cache_hit is False
     assert compiled == ["k", "k"] and kernel_files(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- trusting the cache
+
+
+@pytest.fixture
+def _fresh_trust(monkeypatch):
+    """Each test warns anew about the directories it distrusts."""
+    monkeypatch.setattr(_compiler, "_untrusted_dirs", set())
+
+
+@needs_nvrtc
+def test_the_cache_directory_is_created_private(tmp_path):
+    cache = tmp_path / "a" / "kernels"
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    assert cache.stat().st_mode & 0o777 == 0o700
+    assert kernel_files(cache) and all(f.stat().st_mode & 0o077 == 0 for f in kernel_files(cache))
+
+
+@needs_nvrtc
+def test_a_directory_others_may_write_to_is_skipped_with_one_warning(tmp_path, _fresh_trust):
+    cache = tmp_path / "shared"
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    entries = kernel_files(cache)
+    cache.chmod(0o777)
+    clear_memory_cache()
+    with pytest.warns(RuntimeWarning, match="not trusted"):
+        m = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    assert m.cache_hit is False  # the entry there was not read
+    clear_memory_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once per directory)
+        compile_cuda(SCALED, "scale", arch="sm_90", options="-DSCALE=2", cache_dir=cache)
+    assert kernel_files(cache) == entries  # nothing written there
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("how", ["another owner", "group-writable"])
+def test_an_entry_not_the_users_own_is_skipped(tmp_path, _fresh_trust, how):
+    cache = tmp_path / "kernels"
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    (entry,) = kernel_files(cache)
+    if how == "another owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(entry, os.geteuid() + 4242, -1)
+    else:
+        entry.chmod(0o664)
+    clear_memory_cache()
+    with pytest.warns(RuntimeWarning, match="not trusted"):
+        m = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    assert m.cache_hit is False

@@ -23,6 +23,11 @@ architecture and the NVRTC that compiles:
   kernel, written atomically (temporary file + ``os.replace``) and checked on
   read (magic, key digest, lengths, CRC-32), so concurrent processes and
   crashes never serve a torn entry; a bad entry is a miss and is rewritten.
+  The directory is created private to the user (0700). A directory or an entry
+  that is not the user's own (``os.geteuid()``) or that others may write to
+  (group or world write bit) is not trusted, as compilers' caches do: its
+  entries are skipped and nothing is written there, with one warning per
+  directory (another local user could otherwise plant code that runs on the GPU).
 
 A hit costs no NVRTC call and imports nothing from cuda-python (importing
 ``cuda.core`` alone costs more than compiling a small kernel, which is why the
@@ -419,6 +424,8 @@ def _disk_lookup(
     None: first the entry keyed by the wheel's NVRTC file (no NVRTC load), then
     the one keyed by the NVRTC version (loads NVRTC; found while the wheel's
     NVRTC is the one loaded, it is copied under the file's key)."""
+    if not _trusted(directory):
+        return None
     tag = _file_tag()
     if tag is not None:
         key = _disk_key(source, name, opts, arch, tag, deps)
@@ -464,6 +471,9 @@ def _read_entry(
     unless asked for, or ``keep_ptx`` and the entry has it."""
     try:
         with open(path, "rb") as f:
+            if _not_own(os.fstat(f.fileno())):
+                _warn_untrusted(os.path.dirname(path), f"the entry {os.path.basename(path)}")
+                return None
             data = f.read()
     except OSError:
         return None
@@ -488,6 +498,43 @@ def _read_entry(
     return cubin, ptx, log
 
 
+def _not_own(st: os.stat_result) -> bool:
+    """True for a file or directory this user does not own, or that others may
+    write to (group or world write bit)."""
+    return st.st_uid != os.geteuid() or bool(st.st_mode & 0o022)
+
+
+_untrusted_dirs: set[str] = set()
+
+
+def _warn_untrusted(directory: str, what: str) -> None:
+    if directory in _untrusted_dirs:
+        return
+    _untrusted_dirs.add(directory)
+    import warnings
+
+    warnings.warn(
+        f"asyncgpu: the kernel cache in {directory} is not trusted ({what} is not "
+        "owned by this user or is writable by others): its entries are skipped and "
+        "nothing is written there; make it private (chmod 700) or set ASYNCGPU_CACHE_DIR",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _trusted(directory: str) -> bool:
+    """False (with one warning) when the cache directory exists and is not the
+    user's own or others may write to it; an absent one is made private."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return True
+    if _not_own(st):
+        _warn_untrusted(directory, "the directory")
+        return False
+    return True
+
+
 def _atomic_write(path: str, data: bytes) -> bool:
     """Write ``data`` to ``path`` so readers see the old file or the whole new
     one; False (and no exception) when the cache directory is not writable."""
@@ -495,7 +542,7 @@ def _atomic_write(path: str, data: bytes) -> bool:
 
     directory = os.path.dirname(path)
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
     except OSError:
         return False
@@ -727,8 +774,10 @@ def compile_cuda(
             cubin, ptx, log = _nvrtc_compile(source, name, arch, opts, True)
             module = CompiledModule(name, arch, cubin, ptx if want_ptx else None, log, False)
             key = _disk_key(source, name, opts, arch, _file_tag() or _version_tag(), deps)
-            written = _atomic_write(_entry_path(directory, key), _pack_entry(key, cubin, ptx, log))
-            if not written and directory not in _warned_dirs:
+            written = _trusted(directory) and _atomic_write(
+                _entry_path(directory, key), _pack_entry(key, cubin, ptx, log)
+            )
+            if not written and directory not in _warned_dirs and directory not in _untrusted_dirs:
                 _warned_dirs.add(directory)
                 import warnings
 
