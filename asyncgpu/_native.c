@@ -687,12 +687,16 @@ static int event_clear(PyObject *self) {
 
 static void event_dealloc(PyObject *self) { dealloc_core(self, event_clear); }
 
-static PyObject *s_wake_waiters;
+static PyObject *s_wake_waiters, *s_trace_end;
 
 /* _finish(value=None, error=None): mark done (unless it already is), drop what
  * the event kept, and wake every waiter (DeviceEvent._wake_waiters). Under the
  * GIL, with no Python code run before the waiters are taken, it is atomic
- * against _add_waiter: no lock is needed. */
+ * against _add_waiter: no lock is needed. A traced event (node set) first has
+ * its trace stamp the end (DeviceEvent._trace_end, with the outcome set), so
+ * whoever sees it done finds its trace record complete; that runs Python code
+ * before the event is done, which _add_waiter does not mind (the waiters are
+ * still taken with done set, below). An untraced one pays the node test. */
 static PyObject *event_finish(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     EventCore *ev = (EventCore *)self;
     PyObject *value, *error, *waiters, *keep = NULL;
@@ -703,6 +707,17 @@ static PyObject *event_finish(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     value = n > 0 ? args[0] : Py_None;
     error = n > 1 ? args[1] : Py_None;
+    if (!ev->done && !is_none(ev->node)) {
+        PyObject *r;
+        Py_INCREF(value);
+        replace_ref(&ev->value, value);
+        Py_INCREF(error);
+        replace_ref(&ev->error, error);
+        r = PyObject_CallMethodObjArgs(self, s_trace_end, NULL);
+        if (r == NULL) /* (a broken trace must not leave the event unfinished) */
+            PyErr_WriteUnraisable(self);
+        Py_XDECREF(r);
+    }
     if (!ev->done) {
         Py_INCREF(value);
         replace_ref(&ev->value, value);
@@ -2320,15 +2335,15 @@ static int finish_retired(StreamCore *s, PyObject *o) {
         EventCore *ev = (EventCore *)o;
         if (ev->lock == NULL && is_none(ev->value)) {
             PyObject *args[2], *r;
-            if (is_none(ev->waiters)) {
+            if (is_none(ev->waiters) && is_none(ev->node)) {
                 if (ev->done)
                     return 0;
                 ev->done = 1;
                 Py_CLEAR(ev->keep);
                 return 0;
             }
-            /* Waited on: ev._finish(None, ev._error) as _finish_retired would call
-             * it, without the Python frame. */
+            /* Waited on or traced: ev._finish(None, ev._error) as _finish_retired
+             * would call it, without the Python frame. */
             args[0] = Py_None;
             args[1] = ev->error == NULL ? Py_None : ev->error;
             Py_INCREF(args[1]);
@@ -4067,6 +4082,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_launch_general = intern("_launch");
     s_new_marker_event = intern("_new_marker_event");
     s_wake_waiters = intern("_wake_waiters");
+    s_trace_end = intern("_trace_end");
     s_types = intern("types");
     s_codes = intern("codes");
     s_addr = intern("addr");
@@ -4097,6 +4113,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         !s_backend || !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
         !s_finish_retired || !s_completed_slow || !s_need || !s_impl || !s_last ||
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
+        !s_trace_end ||
         !s_codes || !s_addr || !s_pointers || !s_release_memory || !s_open || !s_trace ||
         !s_grid_dim || !s_block_dim || !s_launch || !s_alloc_ptr || !s_itemsize ||
         !s_general_function || !s_general_create || !empty_tuple || !dtype_cache ||

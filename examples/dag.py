@@ -95,7 +95,7 @@ async def main(argv: list[str] | None = None) -> int:
         print(f"device: {ctx.name()} ({ctx.api()}), n = {n}")
 
         trace_path = out_dir / "dag-trace.json"
-        with ctx.trace(trace_path) as trace:
+        async with ctx.trace(trace_path) as trace:
             x = s1.enqueue_create_buffer(np.float32, n)
             w = s1.enqueue_create_buffer(np.float32, n)
             y = s2.enqueue_create_buffer(np.float32, n)

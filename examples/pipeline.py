@@ -92,7 +92,7 @@ async def run(ctx: DeviceContext, xs: list[np.ndarray], streams: int, trace_path
         counts = await s.enqueue_cpu_function(histogram, h_out)  # waits for the D2H only
         return h_out.as_numpy().copy(), counts
 
-    with ctx.trace(trace_path) as trace:
+    async with ctx.trace(trace_path) as trace:
         t0 = time.perf_counter()
         results = await asyncio.gather(
             *(chunk(i, ctx.select_stream(i % streams)) for i in range(len(xs)))

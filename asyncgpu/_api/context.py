@@ -15,7 +15,7 @@ import numbers
 import os
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -454,7 +454,7 @@ class DeviceContext(native.ContextCore):
             # that work has already finished (so nothing is left to wait for).
             waits = () if ev is None else (ev,)
             lanes = () if source is None else (source.label,)
-            trace.record(impl, out, "wait", f"wait {other!r}", 0, waits, lanes)
+            trace.record(impl, out, "wait", _wait_label(impl, other, source), 0, waits, lanes)
         return out
 
     # -- memory --------------------------------------------------------------------------------
@@ -837,36 +837,31 @@ class DeviceContext(native.ContextCore):
 
     # -- tracing ---------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def trace(
         self, path: str | os.PathLike[str] | None = None, *, device_times: bool = True
-    ) -> Iterator[Trace]:
-        """Record the dependency graph of the work enqueued inside the block. With a
+    ) -> _TraceBlock:
+        """Record the dependency graph of the work enqueued inside the block
+        (``with ctx.trace() as t:`` or ``async with ctx.trace() as t:``). With a
         ``path`` the Chrome/Perfetto trace JSON is written there on exit.
 
         ``device_times`` (CUDA): each operation is followed by a timing event
         (one ``cuEventRecord``, host time on every operation) that gives its
         device start and end; ``False`` records the host times alone, which
         skips that driver call and so adds to a launch about half of what
-        device times add, or less (see the performance page). On exit tracing
-        stops; with a
-        ``path`` the exit first waits for every stream of the context
-        (``synchronize``), then writes the file."""
+        device times add, or less (see the performance page).
+
+        On exit tracing stops; with a ``path`` the exit first waits for every
+        stream of the context, then writes the file. ``with`` blocks the calling
+        thread for that wait (``synchronize``), which inside a coroutine stalls
+        its event loop; ``async with`` awaits the streams instead, so other
+        tasks run meanwhile, then writes the file with a plain write on the
+        loop's thread (a file of a few thousand operations takes milliseconds).
+        If the awaiting task is cancelled, the file is still written, with the
+        operations not yet finished marked incomplete."""
         self._check_open()
         if type(device_times) is not bool:
             raise TypeError(f"device_times must be a bool, not {type(device_times).__name__}")
-        state = self._state
-        t = Trace(path=os.fspath(path) if path is not None else None, device_stamps=device_times)
-        prev, state.trace = state.trace, t
-        try:
-            yield t
-        finally:
-            state.trace = prev
-            if t.path is not None:
-                for s in state.all_streams():
-                    with contextlib.suppress(Exception):
-                        s.synchronize()
-                write_chrome_trace(t, t.path)
+        return _TraceBlock(self, os.fspath(path) if path is not None else None, device_times)
 
     def __repr__(self) -> str:
         state = "closed" if self._state.closed else self._impl.label
@@ -905,6 +900,57 @@ native.configure_buffers(DeviceBuffer, DeviceFunction, as_dtype, np.dtype)
 native.configure_scalars(b"fdbhiqBHIQ", _SCALAR_SAMPLES)
 
 
+class _TraceBlock:
+    """What ``DeviceContext.trace`` returns: ``with`` (blocking exit) and
+    ``async with`` (awaiting exit) over one recording."""
+
+    __slots__ = ("_ctx", "_device_times", "_path", "_prev", "_trace")
+
+    def __init__(self, ctx: DeviceContext, path: str | None, device_times: bool) -> None:
+        self._ctx, self._path, self._device_times = ctx, path, device_times
+        self._trace: Trace | None = None
+        self._prev: Trace | None = None
+
+    def __enter__(self) -> Trace:
+        ctx = self._ctx
+        ctx._check_open()
+        if self._trace is not None:
+            raise RuntimeError("this ctx.trace() block was entered already")
+        state = ctx._state
+        t = self._trace = Trace(path=self._path, device_stamps=self._device_times)
+        self._prev, state.trace = state.trace, t
+        return t
+
+    def _stop(self) -> tuple[list[_StreamImpl], Trace]:
+        state, t = self._ctx._state, self._trace
+        assert t is not None
+        state.trace = self._prev
+        return state.all_streams(), t
+
+    def __exit__(self, *exc: Any) -> None:
+        streams, t = self._stop()
+        if t.path is not None:
+            for s in streams:
+                with contextlib.suppress(Exception):
+                    s.synchronize()
+            write_chrome_trace(t, t.path)
+
+    async def __aenter__(self) -> Trace:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        streams, t = self._stop()
+        if t.path is not None:
+            try:
+                for s in streams:
+                    with contextlib.suppress(Exception):  # (as ``synchronize`` above)
+                        ev = s.point()
+                        if ev is not None:
+                            await _Wait(ev)
+            finally:
+                write_chrome_trace(t, t.path)
+
+
 class _Wait:
     """Await an event's completion without its outcome (faults still raise)."""
 
@@ -927,6 +973,25 @@ def _int_dims(v: Any) -> bool:
                 return False
         return True
     return isinstance(v, np.integer)
+
+
+def _wait_label(impl: _StreamImpl, other: Any, source: _StreamImpl | None) -> str:
+    """A traced wait's label names what it waits for: ``wait s1`` (a stream, or a
+    context's current stream), ``wait s1#2`` (operation 2 of s1, or the point
+    where a user event was recorded there); a stream of another device keeps
+    its device (``wait cuda:1/s0``)."""
+    if source is not None:
+        return f"wait {_lane_name(impl, source)}"
+    stream = other._stream if isinstance(other, DeviceEvent) else None
+    if stream is None:
+        return "wait event"
+    return f"wait {_lane_name(impl, stream)}#{other._seq}"
+
+
+def _lane_name(impl: _StreamImpl, stream: Any) -> str:
+    """``stream``'s label, without its device where it is ``impl``'s."""
+    device, _, name = stream.label.rpartition("/")
+    return name if device == impl.label.rpartition("/")[0] else stream.label
 
 
 def _completed() -> DeviceEvent:

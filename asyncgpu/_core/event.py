@@ -105,6 +105,15 @@ class DeviceEvent(native.EventCore):
                 except Exception as e:  # one broken callback must not strand the rest
                     _report_callback_error(w, e)
 
+    def _trace_end(self) -> None:
+        """Stamp the end of this traced operation (``EventCore._finish`` calls it
+        before it marks the event done, with the outcome already set, so an
+        awaiter never resumes before the trace has the end)."""
+        ref = getattr(self._node, "_trace", None)
+        trace = ref() if ref is not None else None
+        if trace is not None:
+            trace._on_done(self)
+
     def _outcome(self) -> Any:
         if self._error is not None:
             raise self._error

@@ -8,7 +8,10 @@ nothing else.
 Times are nanoseconds of ``time.perf_counter_ns`` on the host: ``submit_ns`` when
 the operation was enqueued, ``end_ns`` when its completion was noticed and
 ``start_ns`` the later of its submission and the end of everything it depends on
-(on the CPU device that is when it could start).
+(when it could start), unless the device stamped when it really started: the CPU
+device does, when a pool thread starts the work.
+The end is stamped before the operation's event is marked done, so whoever sees
+it done finds the node complete.
 
 On CUDA every traced operation is followed by a timing event on its stream, and
 ``device_end_ns`` is the time the device passed it, on the same host clock (the
@@ -23,12 +26,13 @@ stay None, and tracing adds to a launch about half of what device times add
 or less, since it skips each operation's ``cuEventRecord`` (see the
 performance page).
 
-Tracing asks for no completion of its own: it costs an operation its node (and
-on CUDA one ``cuEventRecord``), and ``end_ns`` is noticed whenever something
-else notices the completion (an await, a synchronize, the engine's sweep of
-finished work). A traced kernel launch keeps the launch's fast path (the C
-extension calls ``Trace.record`` after it). The edges are not stored
-apart from the nodes' ``deps``: ``edges`` builds them when it is read.
+Tracing asks for no completion of its own: it costs an operation its node (on
+CUDA also one ``cuEventRecord``) and its finish one Python call, and ``end_ns``
+is noticed whenever something else notices the completion (an await, a
+synchronize, the engine's sweep of finished work). A traced kernel launch
+keeps the launch's fast path (the C extension calls ``Trace.record`` after
+it). The edges are not stored apart from the nodes' ``deps``: ``edges`` builds
+them when it is read.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -62,9 +67,12 @@ class TraceNode:
     error: str | None = None
     device_start_ns: int | None = None
     device_end_ns: int | None = None
+    # The trace that stamps this node's end (a weak reference: the trace holds
+    # its nodes, and a dropped trace must not wait for the garbage collector).
+    _trace: Any = field(default=None, repr=False, compare=False)
 
 
-_NODE_FIELDS = tuple(f.name for f in fields(TraceNode))
+_NODE_FIELDS = tuple(f.name for f in fields(TraceNode) if not f.name.startswith("_"))
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,10 @@ class Trace:
     _stamps: dict[int, tuple[Any, Any]] = field(default_factory=dict, repr=False)
     _origins: dict[int, tuple[Any, Any, int]] = field(default_factory=dict, repr=False)
     t0_ns: int = field(default_factory=time.perf_counter_ns)
+    _ref: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._ref = weakref.ref(self)
 
     @property
     def edges(self) -> list[TraceEdge]:
@@ -149,19 +161,20 @@ class Trace:
                 deps = [prev]
             if waits or after_lanes:
                 self._wait_edges(deps, waits, after_lanes)
-            node = TraceNode(nid, lane, kind, label or kind, nbytes, deps, now)
+            node = TraceNode(nid, lane, kind, label or kind, nbytes, deps, now, _trace=self._ref)
             nodes[nid] = node
             last[lane] = nid
             if stamp is not None:
                 self._stamps[nid] = (stream, stamp)
-        ev._node = node
-        # A waiter, not add_done_callback: the trace asks for no marker and no
+        # No waiter and no done callback: the trace asks for no marker and no
         # watch of its own (that would make every traced launch cost several
-        # times as much). A bound method made here, not one kept on the trace:
-        # that one makes a reference cycle, so a dropped trace (and its timing
-        # events) would wait for the garbage collector, which would then give
-        # the events back inside whatever ran next, adding to its time.
-        if ev._done or not ev._add_waiter(self._on_done):
+        # times as much). The event's finish calls ``_on_done`` (through
+        # ``DeviceEvent._trace_end``) before it marks the event done, so nobody
+        # who sees the event done, an awaiting task included, finds the node
+        # without its end. Finished before the node was attached: stamped here
+        # (both may run; the first stamp stands).
+        ev._node = node
+        if ev._done:
             self._on_done(ev)
         return node
 
@@ -196,7 +209,9 @@ class Trace:
                     # (the usual case: what it follows on its stream was seen first)
                     start = sub = node.submit_ns
                     node.end_ns = end = end if end > sub else sub
-                    if deps:
+                    if node.start_ns is not None:  # (stamped where the work began)
+                        start = node.start_ns
+                    elif deps:
                         dep_end: int = nodes[deps[0]].end_ns  # type: ignore[assignment]
                         if dep_end > start:
                             start = dep_end
@@ -225,7 +240,10 @@ class Trace:
                 continue
             stack.pop()
             n.end_ns = end = max(now, n.submit_ns)
-            n.start_ns = _start_ns(n, end, [nodes[d].end_ns for d in n.deps])
+            if n.start_ns is not None:  # (stamped where the work began)
+                n.start_ns = min(n.start_ns, end)
+            else:
+                n.start_ns = _start_ns(n, end, [nodes[d].end_ns for d in n.deps])
 
     def device_times(self) -> None:
         """Fill ``device_start_ns`` / ``device_end_ns`` of every node whose end the

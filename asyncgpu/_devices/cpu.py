@@ -170,7 +170,8 @@ class CpuStream(_StreamImpl):
         when every chunk has, with the first error raised, if any."""
 
         def start(ev: DeviceEvent) -> None:
-            fan_out(self, ev._seq, n, work, ev._finish)
+            w = work if self.state.trace is None else _stamping_start(ev, work)
+            fan_out(self, ev._seq, n, w, ev._finish)
 
         return start
 
@@ -261,6 +262,9 @@ class CpuStream(_StreamImpl):
 
 def _run(ev: DeviceEvent, fn: Callable[[], Any]) -> None:
     host_work.stream, host_work.seq = ev._stream, ev._seq
+    node = ev._node
+    if node is not None:  # traced: the span starts when a pool thread starts it
+        node.start_ns = time.perf_counter_ns()
     value, error = None, None
     try:
         value = fn()
@@ -268,6 +272,21 @@ def _run(ev: DeviceEvent, fn: Callable[[], Any]) -> None:
         error = e
     host_work.stream = None
     ev._finish(value, error)
+
+
+def _stamping_start(
+    ev: DeviceEvent, work: Callable[[int, int], None]
+) -> Callable[[int, int], None]:
+    """``work`` for ``fan_out`` that stamps the traced operation's start when the
+    first of its chunks starts on a pool thread."""
+
+    def chunk(lo: int, hi: int) -> None:
+        node = ev._node
+        if node is not None and node.start_ns is None:
+            node.start_ns = time.perf_counter_ns()
+        work(lo, hi)
+
+    return chunk
 
 
 def _finish_now(ev: DeviceEvent) -> None:

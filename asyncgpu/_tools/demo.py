@@ -141,7 +141,7 @@ async def run_demo(
 
         per_batch: list[list[Any]] = []
         hys = []
-        with ctx.trace(trace_path) as trace:
+        async with ctx.trace(trace_path) as trace:
             t0 = time.perf_counter()
             reduced = []
             for i in range(batches):

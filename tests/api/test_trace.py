@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import json
@@ -383,3 +384,146 @@ def test_the_edges_are_the_nodes_dependencies_in_the_order_they_were_recorded() 
         TraceEdge(0, 3, "wait"),
     ]
     assert t.as_dict()["edges"][2] == {"src": 0, "dst": 2, "kind": "wait"}
+
+
+# -- an awaited operation's record is complete when its await returns --------------------
+
+
+@pytest.mark.asyncio
+async def test_an_awaited_operation_has_its_end_time_when_the_await_returns(
+    ctx: DeviceContext,
+) -> None:
+    streams = [ctx.select_stream(i) for i in range(4)]
+    with ctx.trace() as t:
+        for i in range(200):
+            ev = streams[i % 4].enqueue_cpu_function(lambda: None)
+            await ev
+            n = t.node_of(ev)
+            assert n is not None and n.end_ns is not None and n.start_ns is not None
+        ctx.synchronize()
+
+
+@pytest.mark.asyncio
+async def test_the_trace_end_is_stamped_before_any_awaiter_can_run(
+    ctx: DeviceContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow end stamp (the thread that finishes the operation pauses in it) is
+    still complete before the awaiting task resumes: the stamp comes before the
+    event is done, not after its waiters are woken."""
+    on_done = Trace._on_done
+
+    def slow_on_done(self: Trace, ev: DeviceEvent) -> None:
+        time.sleep(0.002)
+        on_done(self, ev)
+
+    monkeypatch.setattr(Trace, "_on_done", slow_on_done)
+    with ctx.trace() as t:
+        for _ in range(10):
+            ev = ctx.enqueue_cpu_function(lambda: None)
+            await ev
+            assert t.node_of(ev).end_ns is not None
+            other = ctx.enqueue_cpu_function(lambda: None)
+            other.synchronize()
+            assert t.node_of(other).end_ns is not None
+
+
+# -- async with: the exit awaits the streams ----------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_async_with_trace_awaits_the_streams_then_writes_the_file(
+    ctx: DeviceContext, gate, tmp_path: Path
+) -> None:
+    """The exit waits for a stream that a gate holds by awaiting, not by blocking
+    the loop: another task runs meanwhile (here it is the one that opens the
+    gate), and the file, written after, has every operation complete."""
+    path = tmp_path / "trace.json"
+    g = gate()
+    seen: list[bool] = []
+
+    async def opener() -> None:
+        while not g.entered.is_set():
+            await asyncio.sleep(0.001)
+        seen.append(path.exists())  # the exit is waiting: nothing written yet
+        g.open()
+
+    async with ctx.trace(path) as t:
+        assert isinstance(t, Trace)
+        ctx.enqueue_cpu_function(g)
+        after = ctx.enqueue_cpu_function(lambda: 1)
+        task = asyncio.ensure_future(opener())  # runs once this task yields: in the exit
+    assert seen == [False] and task.done()
+    assert after.query() and t.node_of(after).end_ns is not None
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == 2 and not [e for e in spans if "incomplete" in e["args"]]
+
+
+@pytest.mark.asyncio
+async def test_async_with_trace_without_a_path_stops_recording(ctx: DeviceContext) -> None:
+    async with ctx.trace() as t:
+        inside = ctx.enqueue_cpu_function(lambda: 0)
+    outside = ctx.enqueue_cpu_function(lambda: 1)
+    await outside
+    assert t.node_of(inside) is not None and t.node_of(outside) is None
+
+
+# -- CPU device: a span starts when a pool thread starts the work ---------------------------
+
+_ONE_THREAD_SCRIPT = """
+import time
+import asyncgpu
+
+with asyncgpu.DeviceContext(api="cpu") as ctx:
+    assert ctx.num_streams() >= 4
+    with ctx.trace() as t:
+        evs = []
+        for i in range(4):
+            s = ctx.select_stream(i)
+            evs.append(s.enqueue_cpu_function(time.sleep, 0.02))
+            evs.append(s.enqueue_cpu_range(lambda j: time.sleep(0.005), 2))
+        ctx.synchronize()
+        for i in range(4):
+            ctx.select_stream(i).synchronize()
+    spans = sorted((t.node_of(e).start_ns, t.node_of(e).end_ns) for e in evs)
+    for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
+        assert s0 <= e0 <= s1 <= e1, spans
+print("OK")
+"""
+
+
+def test_cpu_spans_start_when_a_pool_thread_starts_the_work(tmp_path: Path) -> None:
+    """With one pool thread, work on four streams runs one operation at a time,
+    and the trace says so: no two spans overlap (a span that began when the work
+    could start, not when the thread took it, would overlap the others). In a
+    child process: the pool's size is read once, when it is made."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "one_thread.py"
+    script.write_text(_ONE_THREAD_SCRIPT)
+    env = dict(os.environ, ASYNCGPU_CPU_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_wait_labels_name_what_they_wait_for(ctx: DeviceContext) -> None:
+    s1, s2 = ctx.select_stream(1), ctx.select_stream(2)
+    user = ctx.create_event()
+    with ctx.trace() as t:
+        s1.enqueue_cpu_function(lambda: 0)
+        op = s1.enqueue_cpu_function(lambda: 1)
+        s1.stream().record_event(user)
+        waits = [
+            s2.enqueue_wait_for(s1),
+            s2.enqueue_wait_for(ctx.select_stream(1)),
+            s2.enqueue_wait_for(op),
+            s2.enqueue_wait_for(user),
+        ]
+        s2.synchronize()
+    labels = [t.node_of(w).label for w in waits]
+    assert labels == ["wait s1", "wait s1", f"wait s1#{op._seq}", f"wait s1#{user._seq}"]
+    assert all("<" not in n.label for n in t.nodes.values() if n.kind == "wait")

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -483,3 +484,124 @@ def test_dump_sass_disassembles_with_cuda_tools_or_returns_none(tmp_path):
         assert sass is not None and "axpy" in sass and "EXIT" in sass
     else:
         assert sass is None
+
+
+# --------------------------------------------------------------------------- included files
+
+INCLUDES = r"""
+#include "scale.h"
+extern "C" __global__ void scale(float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] *= SCALE;
+}
+"""
+
+
+@needs_nvrtc
+def test_an_edited_header_is_a_cache_miss_not_a_stale_kernel(tmp_path):
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "scale.h").write_text('#include "factor.h"\n#define SCALE FACTOR\n')
+    (inc / "factor.h").write_text("#define FACTOR 2.0f\n")
+    cache = tmp_path / "cache"
+    opts = f"-I{inc}"
+    first = compile_cuda(INCLUDES, "scale", arch="sm_90", options=opts, cache_dir=cache)
+    again = compile_cuda(INCLUDES, "scale", arch="sm_90", options=opts, cache_dir=cache)
+    assert (first.cache_hit, again.cache_hit) == (False, True)
+    assert again.cubin == first.cubin
+    # An edit two levels down (same length) changes the kernel.
+    (inc / "factor.h").write_text("#define FACTOR 3.0f\n")
+    edited = compile_cuda(INCLUDES, "scale", arch="sm_90", options=opts, cache_dir=cache)
+    assert edited.cache_hit is False and edited.cubin != first.cubin
+    assert len(kernel_files(cache)) == 2
+    # Back to the first header: the first entry again, from the in-process cache or disk.
+    (inc / "factor.h").write_text("#define FACTOR 2.0f\n")
+    clear_memory_cache()
+    back = compile_cuda(INCLUDES, "scale", arch="sm_90", options=opts, cache_dir=cache)
+    assert back.cache_hit is True and back.cubin == first.cubin
+
+
+def test_include_digest_follows_quoted_and_i_path_includes_and_ends_cycles(tmp_path):
+    (tmp_path / "a.h").write_text('#include "b.h"\n// #include "gone.h"\n')
+    (tmp_path / "b.h").write_text('#include "a.h"\n#include <cuda_fp16.h>\n')
+    opts = (f"-I{tmp_path}", "-arch=sm_90")
+    digest = _compiler._include_digest('#include "a.h"\n', opts)
+    assert digest  # both files, each once: the cycle ends
+    (tmp_path / "b.h").write_text('#include "a.h"\n#include <cuda_fp16.h>\n// edited\n')
+    assert _compiler._include_digest('#include "a.h"\n', opts) not in (b"", digest)
+    # Nothing included from disk: the key the source always had.
+    assert _compiler._include_digest("#include <cuda_fp16.h>\n", opts) == b""
+    assert _compiler._include_digest(AXPY, opts) == b""
+    # Separate flag forms.
+    assert _compiler._include_digest('#include "a.h"\n', ("-I", str(tmp_path))) == (
+        _compiler._include_digest('#include "a.h"\n', (f"--include-path={tmp_path}",))
+    )
+
+
+def test_a_source_whose_includes_cannot_be_followed_is_not_cached(tmp_path, monkeypatch):
+    opts = ("-arch=sm_90",)
+    assert _compiler._include_digest('#include "nowhere.h"\n', opts) is None
+    assert _compiler._include_digest("#define H <x.h>\n#include H\n", opts) is None
+    compiled: list[str] = []
+
+    def fake_compile(source, name, arch, opts, want_ptx):
+        compiled.append(name)
+        return b"cubin", None, ""
+
+    monkeypatch.setattr(_compiler, "_nvrtc_compile", fake_compile)
+    for _ in range(2):
+        m = compile_cuda('#include "nowhere.h"\n', "k", arch="sm_90", cache_dir=tmp_path)
+        assert m.cache_hit is False
+    assert compiled == ["k", "k"] and kernel_files(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- trusting the cache
+
+
+@pytest.fixture
+def _fresh_trust(monkeypatch):
+    """Each test warns anew about the directories it distrusts."""
+    monkeypatch.setattr(_compiler, "_untrusted_dirs", set())
+
+
+@needs_nvrtc
+def test_the_cache_directory_is_created_private(tmp_path):
+    cache = tmp_path / "a" / "kernels"
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    assert cache.stat().st_mode & 0o777 == 0o700
+    assert kernel_files(cache) and all(f.stat().st_mode & 0o077 == 0 for f in kernel_files(cache))
+
+
+@needs_nvrtc
+def test_a_directory_others_may_write_to_is_skipped_with_one_warning(tmp_path, _fresh_trust):
+    cache = tmp_path / "shared"
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    entries = kernel_files(cache)
+    cache.chmod(0o777)
+    clear_memory_cache()
+    with pytest.warns(RuntimeWarning, match="not trusted"):
+        m = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    assert m.cache_hit is False  # the entry there was not read
+    clear_memory_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once per directory)
+        compile_cuda(SCALED, "scale", arch="sm_90", options="-DSCALE=2", cache_dir=cache)
+    assert kernel_files(cache) == entries  # nothing written there
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("how", ["another owner", "group-writable"])
+def test_an_entry_not_the_users_own_is_skipped(tmp_path, _fresh_trust, how):
+    cache = tmp_path / "kernels"
+    compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    (entry,) = kernel_files(cache)
+    if how == "another owner":
+        if os.geteuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(entry, os.geteuid() + 4242, -1)
+    else:
+        entry.chmod(0o664)
+    clear_memory_cache()
+    with pytest.warns(RuntimeWarning, match="not trusted"):
+        m = compile_cuda(AXPY, "axpy", arch="sm_90", cache_dir=cache)
+    assert m.cache_hit is False

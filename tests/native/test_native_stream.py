@@ -474,6 +474,32 @@ def test_a_waited_kernel_is_finished_in_c_and_its_waiters_woken_once(
     assert len(seen) == 1
 
 
+def test_a_traced_kernel_retired_in_c_has_its_trace_end_before_it_is_done(
+    stream: Stream, driver: Driver
+) -> None:
+    """A traced event with no waiter still goes through ``_finish``: its trace
+    stamps the end first, so nobody sees it done without the end."""
+    from asyncgpu import Trace
+
+    plan = stream.plan(ARGS, CODES)
+    t = Trace(device_stamps=False)
+    ev = stream.launch(plan, ARGS)
+    assert ev is not None
+    node = t.record(stream.s, ev, "kernel")
+    seen: list[tuple[bool, int | None]] = []
+    on_done = t._on_done
+
+    def stamp(e: DeviceEvent) -> None:
+        seen.append((e._done, node.end_ns))
+        on_done(e)
+
+    t._on_done = stamp  # type: ignore[method-assign]
+    stream.counter.value = 1
+    stream.s._retire()
+    assert ev._done and seen == [(False, None)] and node.end_ns is not None
+    assert ev._keep is None
+
+
 def test_polling_an_unmarked_event_marks_it_and_retires_it_once_passed(
     stream: Stream, driver: Driver
 ) -> None:

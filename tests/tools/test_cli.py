@@ -83,6 +83,8 @@ def test_demo_writes_trace_and_png(tmp_path, capsys):
     kinds = {e["cat"] for e in data["traceEvents"] if e["ph"] == "X"}
     assert {"copy", "memset", "kernel", "cpu", "wait"} <= kinds
     assert any(e["ph"] == "s" for e in data["traceEvents"])
+    # Every operation's record was complete when the file was written.
+    assert not [e for e in data["traceEvents"] if e["ph"] == "X" and "incomplete" in e["args"]]
     png = tmp_path / "asyncgpu-demo-timeline.png"
     try:
         import matplotlib  # noqa: F401

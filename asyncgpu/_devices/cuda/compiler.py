@@ -23,6 +23,11 @@ architecture and the NVRTC that compiles:
   kernel, written atomically (temporary file + ``os.replace``) and checked on
   read (magic, key digest, lengths, CRC-32), so concurrent processes and
   crashes never serve a torn entry; a bad entry is a miss and is rewritten.
+  The directory is created private to the user (0700). A directory or an entry
+  that is not the user's own (``os.geteuid()``) or that others may write to
+  (group or world write bit) is not trusted, as compilers' caches do: its
+  entries are skipped and nothing is written there, with one warning per
+  directory (another local user could otherwise plant code that runs on the GPU).
 
 A hit costs no NVRTC call and imports nothing from cuda-python (importing
 ``cuda.core`` alone costs more than compiling a small kernel, which is why the
@@ -36,9 +41,17 @@ keyed by the NVRTC version, and the first lookup in a process loads NVRTC to ask
 ``nvrtcVersion`` (an entry of that kind found while the wheel's NVRTC is the
 one loaded is copied under the file's key, once).
 
-Files pulled in by ``#include`` from disk (``-I`` paths, system headers) are not
-part of the key: after editing such a header, pass ``use_cache=False`` or
-change a ``-D`` flag.
+Files pulled in by ``#include`` are part of both keys, by content, followed
+recursively (``_include_digest``): ``#include "f"`` is looked up in the
+including file's directory (the current directory for the source itself, as
+NVRTC does), then in the ``-I`` / ``--include-path`` directories;
+``#include <f>`` in the ``-I`` directories only, and where it is not found there
+it is a system or NVRTC built-in header, which the NVRTC in the key stands for.
+Files named by ``--pre-include`` / ``-include`` count as quoted includes. A
+source whose quoted include cannot be found, or that includes through a macro,
+is compiled without either cache. A source with includes pays a read of each
+included file on every call (an edited header is then a miss, never a stale
+kernel); one without pays nothing for it.
 
 Every function here blocks the calling thread; call them from a worker thread
 (``asyncio.to_thread``) when an event loop must keep running.
@@ -291,41 +304,141 @@ _HEADER = struct.Struct("<8s32sQQQI")
 _NO_PTX = (1 << 64) - 1
 
 
-def _disk_key(source: str, name: str, opts: tuple[str, ...], arch: str, compiler: str) -> bytes:
+def _disk_key(
+    source: str, name: str, opts: tuple[str, ...], arch: str, compiler: str, deps: bytes = b""
+) -> bytes:
     h = hashlib.sha256()
-    for part in (
+    parts = [
         _SCHEMA,
         compiler.encode(),
         arch.encode(),
         name.encode(),
         "\0".join(opts).encode(),
         source.encode("utf-8", "surrogatepass"),
-    ):
+    ]
+    if deps:  # (a source without includes keeps the key it always had)
+        parts.append(deps)
+    for part in parts:
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.digest()
 
 
+# --------------------------------------------------------------------------- included files
+
+_INCLUDE_RE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*(?:"([^"\n]+)"|<([^>\n]+)>|(\S.*))', re.M)
+_COMMENT_RE = re.compile(rb"//[^\n]*|/\*.*?\*/", re.S)
+_INCLUDE_FLAGS = ("-I", "--include-path")
+_PRE_INCLUDE_FLAGS = ("-include", "--pre-include")
+
+
+def _include_options(opts: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """The include directories (``-I`` / ``--include-path``, in order) and the
+    pre-included files (``-include`` / ``--pre-include``) of the NVRTC flags."""
+    dirs: list[str] = []
+    pre: list[str] = []
+    it = iter(opts)
+    for tok in it:
+        for flags, out in ((_INCLUDE_FLAGS, dirs), (_PRE_INCLUDE_FLAGS, pre)):
+            for flag in flags:
+                if tok == flag:
+                    value = next(it, None)
+                elif tok.startswith(flag + "="):
+                    value = tok[len(flag) + 1 :]
+                elif flag == "-I" and tok.startswith("-I"):
+                    value = tok[2:]
+                else:
+                    continue
+                if value is not None:
+                    out.append(value)
+                break
+            else:
+                continue
+            break
+    return dirs, pre
+
+
+def _include_digest(source: str, opts: tuple[str, ...]) -> bytes | None:
+    """What the files ``source`` includes contribute to the cache keys: b"" when
+    it includes nothing from disk, else the resolved paths and a SHA-256 of the
+    contents of every file it includes, recursively (each file once, so an
+    include cycle ends); None when a quoted include cannot be found or an
+    include is computed by a macro (such a source is not cached). Files reached
+    through ``<...>`` are followed leniently: what they include that cannot be
+    found is taken to be a system header."""
+    text = source.encode("utf-8", "surrogatepass")
+    if b"include" not in text and not any(o.startswith(_PRE_INCLUDE_FLAGS) for o in opts):
+        return b""
+    dirs, pre = _include_options(opts)
+    h = hashlib.sha256()
+    seen: set[str] = set()
+    found = False
+    # (file's text, its directory, strict: an include that cannot be resolved
+    # refuses the cache); the pre-included files are quoted includes of the source.
+    todo: list[tuple[bytes, str, bool]] = [(text, os.getcwd(), True)]
+    for f in pre:
+        todo.append((b'#include "' + f.encode() + b'"\n', os.getcwd(), True))
+    while todo:
+        data, here, strict = todo.pop()
+        for quoted, angled, computed in _INCLUDE_RE.findall(_COMMENT_RE.sub(b"", data)):
+            if computed:
+                if strict:
+                    return None
+                continue
+            rel = os.fsdecode(quoted or angled)
+            where = ([here] if quoted else []) + dirs
+            path = next(
+                (p for p in (os.path.join(d, rel) for d in where) if os.path.isfile(p)), None
+            )
+            if path is None:
+                if quoted and strict:
+                    return None
+                continue  # a system or NVRTC built-in header
+            path = os.path.realpath(path)
+            if path in seen:
+                continue
+            seen.add(path)
+            try:
+                with open(path, "rb") as fh:
+                    content = fh.read()
+            except OSError:
+                return None
+            found = True
+            for part in (os.fsencode(path), hashlib.sha256(content).digest()):
+                h.update(len(part).to_bytes(8, "little"))
+                h.update(part)
+            todo.append((content, os.path.dirname(path), strict and bool(quoted)))
+    return h.digest() if found else b""
+
+
 def _disk_lookup(
-    directory: str, source: str, name: str, opts: tuple[str, ...], arch: str, want_ptx: bool
+    directory: str,
+    source: str,
+    name: str,
+    opts: tuple[str, ...],
+    arch: str,
+    want_ptx: bool,
+    deps: bytes = b"",
 ) -> tuple[bytes, str | None, str] | None:
     """(cubin, ptx, log) of the entry in ``directory`` for this compilation, or
     None: first the entry keyed by the wheel's NVRTC file (no NVRTC load), then
     the one keyed by the NVRTC version (loads NVRTC; found while the wheel's
     NVRTC is the one loaded, it is copied under the file's key)."""
+    if not _trusted(directory):
+        return None
     tag = _file_tag()
     if tag is not None:
-        key = _disk_key(source, name, opts, arch, tag)
+        key = _disk_key(source, name, opts, arch, tag, deps)
         entry = _read_entry(_entry_path(directory, key), key, want_ptx)
         if entry is not None:
             return entry
-    key = _disk_key(source, name, opts, arch, _version_tag())
+    key = _disk_key(source, name, opts, arch, _version_tag(), deps)
     entry = _read_entry(_entry_path(directory, key), key, want_ptx, keep_ptx=True)
     if entry is None:
         return None
     tag = _file_tag()  # (NVRTC is loaded now)
     if tag is not None:
-        key = _disk_key(source, name, opts, arch, tag)
+        key = _disk_key(source, name, opts, arch, tag, deps)
         _atomic_write(_entry_path(directory, key), _pack_entry(key, *entry))
     cubin, ptx, log = entry
     return cubin, ptx if want_ptx else None, log
@@ -358,6 +471,9 @@ def _read_entry(
     unless asked for, or ``keep_ptx`` and the entry has it."""
     try:
         with open(path, "rb") as f:
+            if _not_own(os.fstat(f.fileno())):
+                _warn_untrusted(os.path.dirname(path), f"the entry {os.path.basename(path)}")
+                return None
             data = f.read()
     except OSError:
         return None
@@ -382,6 +498,43 @@ def _read_entry(
     return cubin, ptx, log
 
 
+def _not_own(st: os.stat_result) -> bool:
+    """True for a file or directory this user does not own, or that others may
+    write to (group or world write bit)."""
+    return st.st_uid != os.geteuid() or bool(st.st_mode & 0o022)
+
+
+_untrusted_dirs: set[str] = set()
+
+
+def _warn_untrusted(directory: str, what: str) -> None:
+    if directory in _untrusted_dirs:
+        return
+    _untrusted_dirs.add(directory)
+    import warnings
+
+    warnings.warn(
+        f"asyncgpu: the kernel cache in {directory} is not trusted ({what} is not "
+        "owned by this user or is writable by others): its entries are skipped and "
+        "nothing is written there; make it private (chmod 700) or set ASYNCGPU_CACHE_DIR",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _trusted(directory: str) -> bool:
+    """False (with one warning) when the cache directory exists and is not the
+    user's own or others may write to it; an absent one is made private."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return True
+    if _not_own(st):
+        _warn_untrusted(directory, "the directory")
+        return False
+    return True
+
+
 def _atomic_write(path: str, data: bytes) -> bool:
     """Write ``data`` to ``path`` so readers see the old file or the whole new
     one; False (and no exception) when the cache directory is not writable."""
@@ -389,7 +542,7 @@ def _atomic_write(path: str, data: bytes) -> bool:
 
     directory = os.path.dirname(path)
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
     except OSError:
         return False
@@ -591,11 +744,16 @@ def compile_cuda(
     if not isinstance(arch, str) or not _ARCH_RE.fullmatch(arch):
         raise ValueError(f"arch must look like 'sm_90' (a real architecture), got {arch!r}")
     opts = _final_options(options, arch)
-    if not use_cache:
+    deps = _include_digest(source, opts) if use_cache else None
+    if deps is None:  # (not cached: asked for, or its includes cannot be followed)
         cubin, ptx, log = _nvrtc_compile(source, name, arch, opts, want_ptx)
         return CompiledModule(name, arch, cubin, ptx, log, cache_hit=False)
 
-    full_key = (source, name, options_key, arch, want_ptx)
+    # A source with includes is never stored under the call's own arguments (the
+    # lookup at the top), only with what it includes.
+    full_key: tuple[Any, ...] = (source, name, options_key, arch, want_ptx)
+    if deps:
+        full_key += (deps,)
     with _memory_lock:
         key_lock = _inflight.setdefault(full_key, threading.Lock())
     with key_lock:
@@ -604,7 +762,7 @@ def compile_cuda(
             if hit is not None:
                 return hit
             directory = os.fspath(cache_dir) if cache_dir is not None else _default_cache_dir()
-            entry = _disk_lookup(directory, source, name, opts, arch, want_ptx)
+            entry = _disk_lookup(directory, source, name, opts, arch, want_ptx, deps)
             if entry is not None:
                 module = CompiledModule(name, arch, *entry, cache_hit=True)
                 with _memory_lock:
@@ -615,9 +773,11 @@ def compile_cuda(
             # kernel (``compile_function`` reads the signature from it) then hits too.
             cubin, ptx, log = _nvrtc_compile(source, name, arch, opts, True)
             module = CompiledModule(name, arch, cubin, ptx if want_ptx else None, log, False)
-            key = _disk_key(source, name, opts, arch, _file_tag() or _version_tag())
-            written = _atomic_write(_entry_path(directory, key), _pack_entry(key, cubin, ptx, log))
-            if not written and directory not in _warned_dirs:
+            key = _disk_key(source, name, opts, arch, _file_tag() or _version_tag(), deps)
+            written = _trusted(directory) and _atomic_write(
+                _entry_path(directory, key), _pack_entry(key, cubin, ptx, log)
+            )
+            if not written and directory not in _warned_dirs and directory not in _untrusted_dirs:
                 _warned_dirs.add(directory)
                 import warnings
 
