@@ -8,8 +8,11 @@ core never names a device.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -41,6 +44,7 @@ class _ContextState(native.StateCore):
         self.extra_streams: list[_StreamImpl] = []
         self.compiled: dict[Any, DeviceFunction] = {}
         self.limits: dict[DeviceAttribute, int] = {}
+        _open_states.add(self)
         # The pool's streams are made together, one after another: the CUDA driver
         # hands its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) to
         # new streams in turn, so streams made together get queues of their own,
@@ -89,12 +93,57 @@ class _ContextState(native.StateCore):
                 errors.append(e)
         with self.lock:
             self.closed = True
+            _open_states.discard(self)
             for s in streams:
                 with contextlib.suppress(Exception):
                     s.close()
             self.compiled.clear()
             with contextlib.suppress(Exception):
                 self.backend.close()
+
+
+_open_states: weakref.WeakSet[_ContextState] = weakref.WeakSet()
+# How long the interpreter's exit waits for work still pending on open contexts.
+EXIT_WAIT_S = 10.0
+
+
+def _setter(flag: threading.Event) -> Any:
+    return lambda _e: flag.set()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """At interpreter exit, wait (up to ``EXIT_WAIT_S`` in all) for the work still
+    pending on contexts nobody closed, as closing them would; what has not
+    finished by then is dropped with one warning on the ``asyncgpu`` logger.
+    (Runs after the interpreter has joined the program's non-daemon threads and
+    after ``atexit`` hooks registered later, such as a ``ctx.close``.)"""
+    pending = []
+    for state in list(_open_states):
+        if state.closed:
+            continue
+        for s in state.all_streams():
+            ev = s.point()
+            if ev is not None and not ev._done:
+                pending.append((s.label, ev))
+    if not pending:
+        return
+    deadline = time.monotonic() + EXIT_WAIT_S
+    left = []
+    for label, ev in pending:
+        done = threading.Event()
+        try:
+            ev.add_done_callback(_setter(done))
+        except Exception:  # a stream that cannot be asked any more
+            continue
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            left.append(label)
+    if left:
+        logging.getLogger("asyncgpu").warning(
+            "at exit, work on %s had not finished after %g s; it is dropped",
+            ", ".join(left),
+            EXIT_WAIT_S,
+        )
 
 
 class _Ref(native.RefCore):

@@ -1,0 +1,186 @@
+"""Programs a careless or hostile user might write: none of them may hang the
+process, race with ``close()`` or leak. Each test pins one promise of
+docs/guarantees.md on the CPU device. Where a hang is possible the program runs
+in a child process under a timeout, so a regression fails instead of hanging
+the suite; order comes from events and barriers, never from sleeping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD_TIMEOUT_S = 60
+
+
+def run_child(code: str, timeout: float = CHILD_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (the CPU device); fails the test on a
+    timeout (a hang) instead of hanging."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ASYNCGPU_API="cpu")
+    try:
+        return subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the program hung (no exit in {timeout} s): {e.stdout!r} {e.stderr!r}")
+
+
+def assert_ok(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# -- hangs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("instant", ["wait_for", "empty_range"])
+def test_a_long_queue_of_instant_operations_behind_busy_work_runs(instant: str) -> None:
+    """Thousands of operations that finish at once (waits for finished events,
+    empty CPU ranges), queued behind a CPU function that holds the stream: once
+    it ends, each starts the next from its completion, in a loop (nested, the
+    chain ran out of stack and the stream stopped)."""
+    proc = run_child(f"""
+        import threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        other = ctx.select_stream(1)
+        done = [other.enqueue_cpu_function(int) for _ in range(400)]
+        other.synchronize()
+        gate = threading.Event()
+        ctx.enqueue_cpu_function(gate.wait)
+        for i in range(3000):
+            if {instant!r} == "wait_for":
+                ctx.enqueue_wait_for(done[i % len(done)])
+            else:
+                ctx.enqueue_cpu_range(lambda i: None, 0)
+        last = ctx.enqueue_cpu_function(lambda: "last")
+        gate.set()
+        assert last.synchronize() == "last"
+        ctx.close()
+        print("OK")
+    """)
+    assert_ok(proc)
+
+
+def test_a_non_daemon_thread_may_use_the_context_after_the_main_thread_returns() -> None:
+    """The interpreter waits for the program's non-daemon threads before it
+    exits; the CPU pool still runs their work meanwhile."""
+    proc = run_child("""
+        import threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        main_done = threading.Event()
+
+        def late_user():
+            assert main_done.wait(30)
+            for i in range(50):
+                assert ctx.enqueue_cpu_function(lambda i=i: i).synchronize() == i
+            ctx.close()
+            print("OK", flush=True)
+
+        threading.Thread(target=late_user).start()
+        main_done.set()
+    """)
+    assert_ok(proc)
+
+
+def test_an_atexit_close_waits_for_queued_work() -> None:
+    """``atexit.register(ctx.close)`` with work still queued: the close waits for
+    the work, which runs."""
+    proc = run_child("""
+        import atexit, threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        gate = threading.Event()
+        ctx.enqueue_cpu_function(gate.wait)
+        for i in range(20):
+            ctx.enqueue_cpu_function(int)
+        ctx.enqueue_cpu_function(lambda: print("OK", flush=True))
+        atexit.register(ctx.close)
+        atexit.register(gate.set)  # (runs first: atexit hooks run last-in first-out)
+    """)
+    assert_ok(proc)
+
+
+def test_exit_with_pending_work_waits_for_it() -> None:
+    """A program that ends without closing its context: the exit waits for the
+    work still queued (bounded: see the next test), which runs, and nothing is
+    printed but the program's own output."""
+    proc = run_child("""
+        import threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        gate = threading.Event()
+        ctx.enqueue_cpu_function(gate.wait)
+        for s in range(4):
+            ctx.select_stream(s).enqueue_cpu_function(int)
+        ctx.enqueue_cpu_function(lambda: print("OK", flush=True))
+        threading.Timer(0.05, gate.set).start()  # (opens the gate during the exit)
+    """)
+    assert_ok(proc)
+    assert proc.stderr == ""
+
+
+def test_exit_drops_work_that_does_not_finish_in_time_with_one_warning() -> None:
+    """Work that is still running after the bounded exit wait is dropped with one
+    warning naming the streams; the process exits."""
+    proc = run_child("""
+        import threading
+        import asyncgpu
+        from asyncgpu._core import state
+        state.EXIT_WAIT_S = 0.2
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        never = threading.Event()
+        for s in range(3):
+            ctx.select_stream(s).enqueue_cpu_function(never.wait)
+            ctx.select_stream(s).enqueue_cpu_function(int)
+        print("OK")
+    """)
+    assert_ok(proc)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "at exit" in lines[0] and "cpu:0/s0" in lines[0] and "cpu:0/s2" in lines[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_cpu_work_runs_in_a_forked_child() -> None:
+    """After ``fork``, the child has a CPU pool of its own: new work runs there, and
+    so does work that was queued but not finished at the fork (the parent runs
+    its own copy)."""
+    proc = run_child("""
+        import os, threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        assert ctx.enqueue_cpu_function(lambda: 1).synchronize() == 1  # pool in use
+        gate = threading.Event()
+        entered = threading.Event()
+        ctx.enqueue_cpu_function(lambda: (entered.set(), gate.wait(30))[1])
+        queued = ctx.enqueue_cpu_function(lambda: "queued")
+        assert entered.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            gate.set()  # (the child's copy of the running function runs again)
+            ok = queued.synchronize() == "queued"
+            ok = ok and ctx.enqueue_cpu_function(lambda: 7).synchronize() == 7
+            rng = ctx.select_stream(2).enqueue_cpu_range(lambda i: None, 64)
+            ok = ok and rng.synchronize() is None
+            ctx.close()
+            os._exit(0 if ok else 1)
+        gate.set()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert queued.synchronize() == "queued"
+        ctx.close()
+        print("OK")
+    """)
+    assert_ok(proc)
