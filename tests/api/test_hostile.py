@@ -44,15 +44,16 @@ def assert_ok(proc: subprocess.CompletedProcess[str]) -> None:
 
 
 @pytest.mark.parametrize("instant", ["wait_for", "empty_range"])
-def test_a_long_queue_of_instant_operations_behind_busy_work_runs(instant: str) -> None:
+def test_a_long_queue_of_instant_operations_behind_busy_work_runs(api: str, instant: str) -> None:
     """Thousands of operations that finish at once (waits for finished events,
     empty CPU ranges), queued behind a CPU function that holds the stream: once
     it ends, each starts the next from its completion, in a loop (nested, the
-    chain ran out of stack and the stream stopped)."""
+    chain ran out of stack and the stream stopped). On CUDA, host work right
+    behind host work is started the same way."""
     proc = run_child(f"""
         import threading
         import asyncgpu
-        ctx = asyncgpu.DeviceContext(api="cpu")
+        ctx = asyncgpu.DeviceContext(api={api!r})
         other = ctx.select_stream(1)
         done = [other.enqueue_cpu_function(int) for _ in range(400)]
         other.synchronize()
