@@ -427,6 +427,8 @@ class DeviceContext(native.ContextCore):
             # does not move this wait (cuStreamWaitEvent's snapshot).
             ev: DeviceEvent | None = other._wait_point()
         elif isinstance(other, DeviceEvent):
+            if other._stream is None:  # (waiting on it would hold the stream for good)
+                raise ValueError("enqueue_wait_for: the event was never recorded on a stream")
             ev = other
         elif isinstance(other, DeviceContext):
             other._check_open()

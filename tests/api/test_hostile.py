@@ -185,3 +185,102 @@ def test_cpu_work_runs_in_a_forked_child() -> None:
         print("OK")
     """)
     assert_ok(proc)
+
+
+def test_a_cpu_function_awaiting_its_own_stream_gets_runtime_error() -> None:
+    """A CPU function that runs a loop of its own and awaits its own stream (the
+    context, the stream or its own event) would wait for itself: the await
+    raises ``RuntimeError``, as ``synchronize()`` does."""
+    proc = run_child("""
+        import asyncio
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        me = []
+
+        def awaits_own_stream(what):
+            async def wait():
+                await {"ctx": ctx, "stream": ctx.stream(), "event": me[0] if me else ctx}[what]
+            try:
+                asyncio.run(wait())
+            except RuntimeError as e:
+                return "refused" if "wait for itself" in str(e) else repr(e)
+            return "no error"
+
+        for what in ("ctx", "stream"):
+            assert ctx.enqueue_cpu_function(awaits_own_stream, what).synchronize() == "refused"
+        ev = ctx.enqueue_cpu_function(lambda: awaits_own_stream("event"))
+        me.append(ev)
+        assert ev.synchronize() == "refused"  # (its own event, or the ctx if early)
+        ctx.close()
+        print("OK")
+    """)
+    assert_ok(proc)
+
+
+@pytest.mark.parametrize("exc", ["SystemExit", "KeyboardInterrupt"])
+def test_a_done_callback_raising_a_base_exception_does_not_stop_the_stream(exc: str) -> None:
+    """A done callback of a pending event that raises ``SystemExit`` or
+    ``KeyboardInterrupt`` is logged like any other; the stream's next operation
+    still starts."""
+    proc = run_child(f"""
+        import threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        gate = threading.Event()
+        first = ctx.enqueue_cpu_function(gate.wait)
+
+        def bad(_ev):
+            raise {exc}()
+
+        first.add_done_callback(bad)
+        after = ctx.enqueue_cpu_function(lambda: "after")
+        gate.set()
+        assert after.synchronize() == "after"
+        ctx.close()
+        print("OK")
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout
+    assert "exception in the done callback" in proc.stderr
+
+
+def test_a_wait_for_a_never_recorded_event_is_refused_at_the_call() -> None:
+    """``enqueue_wait_for`` of an event that was never recorded would hold the
+    stream for good: ``ValueError`` at the call, and the stream goes on."""
+    from asyncgpu import DeviceContext, DeviceEvent
+
+    with DeviceContext(api="cpu") as ctx:
+        with pytest.raises(ValueError, match="never recorded"):
+            ctx.enqueue_wait_for(DeviceEvent(None))
+        # A user event not recorded yet stands for nothing pending: no wait.
+        assert ctx.enqueue_wait_for(ctx.create_event()).query()
+        assert ctx.enqueue_cpu_function(lambda: 3).synchronize() == 3
+
+
+def test_a_done_callback_error_is_logged_whether_or_not_the_event_was_done(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same broken callback gives the same outcome, a log record, on a
+    finished event (called at once) and on a pending one (called later)."""
+    import threading
+
+    from asyncgpu import DeviceContext
+
+    def bad(_ev: object) -> None:
+        raise ValueError("broken callback")
+
+    with DeviceContext(api="cpu") as ctx:
+        done = ctx.enqueue_cpu_function(int)
+        done.synchronize()
+        with caplog.at_level("ERROR", logger="asyncgpu"):
+            done.add_done_callback(bad)  # does not raise
+            gate = threading.Event()
+            pending = ctx.enqueue_cpu_function(gate.wait)
+            called = threading.Event()
+            pending.add_done_callback(bad)
+            pending.add_done_callback(lambda _e: called.set())
+            gate.set()
+            assert called.wait(CHILD_TIMEOUT_S)
+    errors = [r for r in caplog.records if "done callback" in r.getMessage()]
+    assert len(errors) == 2
+    assert all(isinstance(r.exc_info[1], ValueError) for r in errors if r.exc_info)
