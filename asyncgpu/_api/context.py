@@ -26,6 +26,7 @@ from .._core import engine as _engine
 from .._core import pool as _pool
 from .._core.event import DeviceEvent, _UserEvent
 from .._core.function import DeviceFunction, Kernel
+from .._core.function import refuse_coroutine_function as _refuse_coroutine_function
 from .._core.memory import (
     DeviceBuffer,
     HostBuffer,
@@ -113,7 +114,7 @@ class DeviceContext(native.ContextCore):
         device_id = check_int(device_id, "device_id")
         if api is not None and not isinstance(api, str):
             raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
-        api = (api or default_api()).lower()
+        api = (default_api() if api is None else api).lower()
         if num_streams is None:
             num_streams = _config.read_num_streams()
         num_streams = check_int(num_streams, "num_streams")
@@ -309,7 +310,7 @@ class DeviceContext(native.ContextCore):
     @staticmethod
     def number_of_devices(*, api: str | None = None) -> int:
         """Devices available for ``api`` (default: the default api)."""
-        api = (api or default_api()).lower()
+        api = (default_api() if api is None else api).lower()
         cls = backend_class(api)
         try:
             return int(cls.number_of_devices())
@@ -932,18 +933,6 @@ def _completed() -> DeviceEvent:
     ev = DeviceEvent(None)
     ev._done = True
     return ev
-
-
-def _refuse_coroutine_function(func: Any, what: str) -> None:
-    """CPU work runs on pool threads, with no event loop: an ``async def``
-    function would only make a coroutine that nobody runs."""
-    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-        getattr(func, "__call__", None)  # noqa: B004 (an object whose __call__ is async)
-    ):
-        raise TypeError(
-            f"{what} runs plain functions on the CPU pool; {func!r} is an async function "
-            "(await it in a task instead)"
-        )
 
 
 def _scalar_for(dt: np.dtype[Any], val: Any) -> np.generic:

@@ -25,6 +25,10 @@ from .trace import Trace
 
 __all__ = ["_ContextState", "_Ref"]
 
+# The streams a context makes when it is made (the most hardware queues a CUDA
+# device hands out); the rest of its pool is made on first use.
+_EAGER_STREAMS = 32
+
 
 class _ContextState(native.StateCore):
     """What all views (and copies) of one device context share. ``closed`` and
@@ -40,7 +44,7 @@ class _ContextState(native.StateCore):
         self.lock = threading.RLock()
         self.trace: Trace | None = None
         self.num_streams = num_streams
-        self.streams: list[_StreamImpl | None] = [None] * num_streams
+        self.streams: dict[int, _StreamImpl] = {}  # (made at once or on first use)
         self.extra_streams: list[_StreamImpl] = []
         self.compiled: dict[Any, DeviceFunction] = {}
         self.limits: dict[DeviceAttribute, int] = {}
@@ -48,24 +52,25 @@ class _ContextState(native.StateCore):
         # The pool's streams are made together, one after another: the CUDA driver
         # hands its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) to
         # new streams in turn, so streams made together get queues of their own,
-        # and work on one never waits behind another's in a shared queue.
-        for i in range(num_streams):
+        # and work on one never waits behind another's in a shared queue. (A pool
+        # larger than the driver has queues for makes the rest on first use.)
+        for i in range(min(num_streams, _EAGER_STREAMS)):
             self.streams[i] = self.backend.new_stream(self, i, 0)
 
     def describe(self) -> str:
         return f"{self.api}:{self.device_id}"
 
     def stream(self, i: int) -> _StreamImpl:
-        s = self.streams[i]
+        s = self.streams.get(i)
         if s is None:
             with self.lock:
-                s = self.streams[i]
+                s = self.streams.get(i)
                 if s is None:
                     s = self.streams[i] = self.backend.new_stream(self, i, 0)
         return s
 
     def all_streams(self) -> list[_StreamImpl]:
-        return [s for s in self.streams if s is not None] + list(self.extra_streams)
+        return list(self.streams.values()) + list(self.extra_streams)
 
     def limit(self, attr: DeviceAttribute) -> int:
         v = self.limits.get(attr)

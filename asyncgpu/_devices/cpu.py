@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._core.event import DeviceEvent, _UserEvent
-from .._core.function import DeviceFunction, Kernel, ThreadBlock, reject_python_scalar
+from .._core.function import (
+    DeviceFunction,
+    Kernel,
+    ThreadBlock,
+    refuse_coroutine_function,
+    reject_python_scalar,
+)
 from .._core.memory import _BufferBase
 from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work, start_chained
 from .._core.stream import _StreamImpl
@@ -459,6 +465,7 @@ class CpuBackend:
                 )
             return DeviceFunction(ctx, func.name, func.cpu)
         if callable(func):
+            refuse_coroutine_function(func, "a CPU kernel")
             return DeviceFunction(ctx, str(name or getattr(func, "__name__", "kernel")), func)
         if isinstance(func, str):
             raise UnsupportedError(

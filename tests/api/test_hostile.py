@@ -284,3 +284,44 @@ def test_a_done_callback_error_is_logged_whether_or_not_the_event_was_done(
     errors = [r for r in caplog.records if "done callback" in r.getMessage()]
     assert len(errors) == 2
     assert all(isinstance(r.exc_info[1], ValueError) for r in errors if r.exc_info)
+
+
+def test_an_async_kernel_body_is_refused() -> None:
+    """An ``async def`` kernel body would only make coroutines that nobody runs
+    (its event would succeed with the body never run): ``TypeError``, as for an
+    async CPU function, for a plain callable and a ``Kernel``'s CPU body."""
+    from asyncgpu import DeviceContext, Kernel
+
+    async def body(b: object, x: object) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="async"):
+        Kernel("k", cpu=body)
+    with DeviceContext(api="cpu") as ctx:
+        buf = ctx.enqueue_create_buffer("int32", 4)
+        with pytest.raises(TypeError, match="async"):
+            ctx.compile_function(body)
+        with pytest.raises(TypeError, match="async"):
+            ctx.enqueue_function(body, buf, grid_dim=1, block_dim=1)
+
+
+def test_a_huge_stream_pool_is_made_on_first_use() -> None:
+    """``num_streams=10**7`` makes a context at once (its streams beyond the first
+    few are made on first use) whose last stream works."""
+    from asyncgpu import DeviceContext
+
+    with DeviceContext(api="cpu", num_streams=10**7) as ctx:
+        assert ctx.num_streams() == 10**7
+        assert len(ctx._state.all_streams()) <= 32
+        last = ctx.select_stream(10**7 - 1)
+        assert last.enqueue_cpu_function(lambda: 5).synchronize() == 5
+        with pytest.raises(IndexError):
+            ctx.select_stream(10**7)
+
+
+def test_an_empty_api_is_refused() -> None:
+    """``api=""`` is an unknown device, not the default one."""
+    from asyncgpu import DeviceContext
+
+    with pytest.raises(ValueError, match="unknown device api"):
+        DeviceContext(api="")
