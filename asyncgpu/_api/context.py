@@ -26,6 +26,7 @@ from .._core import engine as _engine
 from .._core import pool as _pool
 from .._core.event import DeviceEvent, _UserEvent
 from .._core.function import DeviceFunction, Kernel
+from .._core.function import refuse_coroutine_function as _refuse_coroutine_function
 from .._core.memory import (
     DeviceBuffer,
     HostBuffer,
@@ -113,7 +114,7 @@ class DeviceContext(native.ContextCore):
         device_id = check_int(device_id, "device_id")
         if api is not None and not isinstance(api, str):
             raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
-        api = (api or default_api()).lower()
+        api = (default_api() if api is None else api).lower()
         if num_streams is None:
             num_streams = _config.read_num_streams()
         num_streams = check_int(num_streams, "num_streams")
@@ -312,7 +313,7 @@ class DeviceContext(native.ContextCore):
     @staticmethod
     def number_of_devices(*, api: str | None = None) -> int:
         """Devices available for ``api`` (default: the default api)."""
-        api = (api or default_api()).lower()
+        api = (default_api() if api is None else api).lower()
         cls = backend_class(api)
         try:
             return int(cls.number_of_devices())
@@ -430,6 +431,8 @@ class DeviceContext(native.ContextCore):
             # does not move this wait (cuStreamWaitEvent's snapshot).
             ev: DeviceEvent | None = other._wait_point()
         elif isinstance(other, DeviceEvent):
+            if other._stream is None:  # (waiting on it would hold the stream for good)
+                raise ValueError("enqueue_wait_for: the event was never recorded on a stream")
             ev = other
         elif isinstance(other, DeviceContext):
             other._check_open()
@@ -998,18 +1001,6 @@ def _completed() -> DeviceEvent:
     ev = DeviceEvent(None)
     ev._done = True
     return ev
-
-
-def _refuse_coroutine_function(func: Any, what: str) -> None:
-    """CPU work runs on pool threads, with no event loop: an ``async def``
-    function would only make a coroutine that nobody runs."""
-    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-        getattr(func, "__call__", None)  # noqa: B004 (an object whose __call__ is async)
-    ):
-        raise TypeError(
-            f"{what} runs plain functions on the CPU pool; {func!r} is an async function "
-            "(await it in a task instead)"
-        )
 
 
 def _scalar_for(dt: np.dtype[Any], val: Any) -> np.generic:

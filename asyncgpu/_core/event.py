@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._accel import native
 from .._errors import AsyncGPUError, DeviceFaultError
-from .pool import waiting_for
+from .pool import refuse_wait_from_own_work, waiting_for
 
 __all__ = ["DeviceEvent"]
 
@@ -40,7 +40,7 @@ _log = logging.getLogger("asyncgpu")
 _get_ident = threading.get_ident
 
 
-def _report_callback_error(fn: Any, e: Exception) -> None:
+def _report_callback_error(fn: Any, e: BaseException) -> None:
     """A done callback raised, on a thread that cannot hand it to anyone: logged
     on the ``asyncgpu`` logger (printed to stderr when logging is not set up)."""
     _log.error("exception in the done callback %r", fn, exc_info=e)
@@ -102,7 +102,7 @@ class DeviceEvent(native.EventCore):
             if type(w) is not _LoopWaiter:
                 try:
                     w(self)
-                except Exception as e:  # one broken callback must not strand the rest
+                except BaseException as e:  # one broken callback must not strand the rest
                     _report_callback_error(w, e)
 
     def _trace_end(self) -> None:
@@ -144,7 +144,10 @@ class DeviceEvent(native.EventCore):
         if not callable(fn):
             raise TypeError(f"add_done_callback takes a callable, not {type(fn).__name__}")
         if self._done or self.query() or not self._add_waiter(fn):
-            fn(self)
+            try:
+                fn(self)
+            except Exception as e:  # as from any other thread: the outcome must not
+                _report_callback_error(fn, e)  # depend on whether it was done yet
             return
         stream = self._stream
         if stream is not None:
@@ -170,6 +173,7 @@ class DeviceEvent(native.EventCore):
             raise AsyncGPUError("this event was never recorded on a stream")
         if stream._poll(self):
             return None
+        refuse_wait_from_own_work(stream, self._seq)
         loop = _get_running_loop()
         if loop is not None:
             return stream._future(self, loop)

@@ -17,6 +17,7 @@ of their memory)::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -28,7 +29,14 @@ from .._types import DeviceAttribute, Dim, check_int
 if TYPE_CHECKING:
     from .protocols import ContextView
 
-__all__ = ["DeviceExternalFunction", "DeviceFunction", "Kernel", "ThreadBlock", "kernel"]
+__all__ = [
+    "DeviceExternalFunction",
+    "DeviceFunction",
+    "Kernel",
+    "ThreadBlock",
+    "kernel",
+    "refuse_coroutine_function",
+]
 
 
 def reject_python_scalar(n: int, a: Any) -> None:
@@ -78,6 +86,8 @@ class Kernel:
             raise ValueError("a Kernel needs a CUDA source, a CPU body, or both")
         if cpu is not None and not callable(cpu):
             raise TypeError("the CPU body of a Kernel must be callable")
+        if cpu is not None:
+            refuse_coroutine_function(cpu, "a Kernel's CPU body")
         self.name = name
         self.cuda = cuda
         self.cpu = cpu
@@ -201,3 +211,15 @@ class DeviceExternalFunction(DeviceFunction):
     """A function loaded from PTX or a cubin (``load_function``)."""
 
     __slots__ = ()
+
+
+def refuse_coroutine_function(func: Any, what: str) -> None:
+    """CPU work runs on pool threads, with no event loop: an ``async def``
+    function would only make a coroutine that nobody runs."""
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+        getattr(func, "__call__", None)  # noqa: B004 (an object whose __call__ is async)
+    ):
+        raise TypeError(
+            f"{what} runs plain functions on the CPU pool; {func!r} is an async function "
+            "(await it in a task instead)"
+        )

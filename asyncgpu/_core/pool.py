@@ -9,9 +9,12 @@ thread for as long as one of its threads is blocked.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from .. import _config
@@ -23,6 +26,7 @@ __all__ = [
     "pool_size",
     "range_work",
     "refuse_wait_from_own_work",
+    "start_chained",
     "waiting_for",
 ]
 
@@ -30,6 +34,7 @@ __all__ = [
 
 _pool_lock = threading.Lock()
 _pool: _CpuPool | None = None
+_log = logging.getLogger("asyncgpu")
 
 
 def pool_size() -> int:
@@ -93,41 +98,97 @@ class waiting_for:
             _pool.blocked(-1)  # type: ignore[union-attr]
 
 
-class _CpuPool(ThreadPoolExecutor):
-    """The CPU pool: a ``ThreadPoolExecutor`` of ``size`` threads, plus one for
-    each of its threads blocked in a wait (``waiting_for``), as a work-stealing
-    pool makes up for a blocked worker. The extra threads stay, idle, once the
-    waits end; the pool never has more threads than ``size`` plus the most waits
-    at one time. (The executor starts threads in ``_adjust_thread_count``, up to
-    ``_max_workers``, unless its ``_idle_semaphore`` counts one idle; an executor
-    without them gets no extra threads.)"""
+class _CpuPool:
+    """The CPU pool: ``size`` threads taking work from one queue, plus one for each
+    of its threads blocked in a wait (``waiting_for``), as a work-stealing pool
+    makes up for a blocked worker. Threads start on demand and stay, idle, once
+    started; the pool never has more than ``size`` plus the most waits at one
+    time.
+
+    Built on ``threading`` alone (an executor's private fields are not relied
+    on). Its threads are daemon threads, so neither a non-daemon thread still
+    enqueueing when the main thread returns nor an ``atexit`` hook that waits for
+    work finds the pool shut down; what the interpreter's exit does with pending
+    work is ``state``'s exit hook. After ``fork`` the child gets a pool of its own
+    (``_after_fork``)."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(size, thread_name_prefix="asyncgpu-cpu")
         self._size = size
         self._waits = 0
-        self._waits_lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._work: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
+        self._threads = 0
+        self._idle = 0  # threads waiting for work that have not taken an item yet
+        self._running: dict[int, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a pool thread (in submission order, as threads free
+        up). ``fn`` handles its own errors: one that escapes is logged."""
+        with self._cond:
+            self._work.append((fn, args))
+            if len(self._work) > self._idle and self._threads < self._size + self._waits:
+                self._start()
+            elif self._idle:
+                self._cond.notify()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """``fn(*args)`` on a pool thread, its outcome in a ``Future``."""
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+
+        self.submit(run)
+        return fut
 
     def blocked(self, change: int) -> None:
         """``change`` (+1, -1) more pool threads are blocked in a wait."""
-        with self._waits_lock:
+        with self._cond:
             self._waits += change
-            self._max_workers = self._size + self._waits
-        adjust = getattr(self, "_adjust_thread_count", None)
-        idle = getattr(self, "_idle_semaphore", None)
-        if change > 0 and adjust is not None and idle is not None:
-            with self._shutdown_lock:
-                if not self._shutdown:
-                    # The executor counts a thread idle each time it finishes an
-                    # item, so the count runs ahead of the truth and it would
-                    # start no thread: drop the count, then start one (up to
-                    # _max_workers).
-                    while idle.acquire(timeout=0):
-                        pass
-                    adjust()
+            if change > 0 and self._work and self._threads < self._size + self._waits:
+                self._start()
+
+    def _start(self) -> None:
+        """Under ``_cond``: start one more thread."""
+        self._threads += 1
+        t = threading.Thread(
+            target=self._worker, name=f"asyncgpu-cpu_{self._threads - 1}", daemon=True
+        )
+        t.start()
+
+    def _worker(self) -> None:
+        me = threading.get_ident()
+        cond, work, running = self._cond, self._work, self._running
+        while True:
+            with cond:
+                running.pop(me, None)
+                while not work:
+                    self._idle += 1
+                    cond.wait()
+                    self._idle -= 1
+                item = running[me] = work.popleft()
+            try:
+                item[0](*item[1])
+            except BaseException as e:  # the work items catch their own errors
+                _log.error("exception in CPU pool work %r", item[0], exc_info=e)
+            del item  # (an idle thread keeps nothing alive)
+
+    def _fork_child(self) -> _CpuPool:
+        """In a forked child: a pool of its own (the parent's threads do not exist
+        here), given the work that had not finished at the fork: what was queued,
+        and, first, what the parent's threads were running (run again from its
+        start). ``_cond`` was held across the fork, so the snapshot is whole."""
+        pool = _CpuPool(self._size)
+        pool._work.extend(self._running.values())
+        pool._work.extend(self._work)
+        return pool
 
 
-def cpu_pool() -> ThreadPoolExecutor:
+def cpu_pool() -> _CpuPool:
     """The process-wide pool that runs CPU functions, CPU ranges, CPU kernels and
     the CPU device's copies."""
     global _pool
@@ -138,6 +199,73 @@ def cpu_pool() -> ThreadPoolExecutor:
                 _pool = _CpuPool(pool_size())
             pool = _pool
     return pool
+
+
+def _before_fork() -> None:
+    _pool_lock.acquire()
+    if _pool is not None:
+        _pool._cond.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    if _pool is not None:
+        _pool._cond.release()
+    _pool_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    """The parent's pool threads do not exist in a forked child: the child gets a
+    pool of its own, which runs the work that had not finished at the fork."""
+    global _pool, _pool_lock
+    _pool_lock = threading.Lock()
+    old = _pool
+    if old is not None:
+        _pool = pool = old._fork_child()
+        with pool._cond:
+            for _ in range(min(len(pool._work), pool._size)):
+                pool._start()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
+
+
+class _Chain(threading.local):
+    """The starts that ``start_chained`` deferred on this thread (None: none is
+    running here)."""
+
+    pending: deque[tuple[Callable[[Any], None], Any]] | None = None
+
+
+_chain = _Chain()
+
+
+def start_chained(start: Callable[[Any], None], arg: Any) -> None:
+    """``start(arg)``, for an operation started by another's completion: now, or,
+    when this thread is already inside such a start, right after it returns. An
+    operation that finishes at once (a wait for a finished event, an empty range)
+    finishes the next one's predecessor inside its own start, and so on: run
+    nested, a long queue of them would exhaust the stack; run here, one after
+    another, any length takes a loop. A start that raises is logged; the ones
+    queued behind it still run."""
+    pending = _chain.pending
+    if pending is not None:
+        pending.append((start, arg))
+        return
+    pending = _chain.pending = deque(((start, arg),))
+    try:
+        while pending:
+            fn, a = pending.popleft()
+            try:
+                fn(a)
+            except BaseException as e:  # nobody to raise to: the finishing thread's caller
+                _log.error("exception starting the next operation %r", fn, exc_info=e)
+    finally:
+        _chain.pending = None
 
 
 def fan_out(

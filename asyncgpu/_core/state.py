@@ -8,8 +8,11 @@ core never names a device.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -21,6 +24,10 @@ from .stream import _StreamImpl
 from .trace import Trace
 
 __all__ = ["_ContextState", "_Ref"]
+
+# The streams a context makes when it is made (the most hardware queues a CUDA
+# device hands out); the rest of its pool is made on first use.
+_EAGER_STREAMS = 32
 
 
 class _ContextState(native.StateCore):
@@ -37,31 +44,33 @@ class _ContextState(native.StateCore):
         self.lock = threading.RLock()
         self.trace: Trace | None = None
         self.num_streams = num_streams
-        self.streams: list[_StreamImpl | None] = [None] * num_streams
+        self.streams: dict[int, _StreamImpl] = {}  # (made at once or on first use)
         self.extra_streams: list[_StreamImpl] = []
         self.compiled: dict[Any, DeviceFunction] = {}
         self.limits: dict[DeviceAttribute, int] = {}
+        _open_states.add(self)
         # The pool's streams are made together, one after another: the CUDA driver
         # hands its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) to
         # new streams in turn, so streams made together get queues of their own,
-        # and work on one never waits behind another's in a shared queue.
-        for i in range(num_streams):
+        # and work on one never waits behind another's in a shared queue. (A pool
+        # larger than the driver has queues for makes the rest on first use.)
+        for i in range(min(num_streams, _EAGER_STREAMS)):
             self.streams[i] = self.backend.new_stream(self, i, 0)
 
     def describe(self) -> str:
         return f"{self.api}:{self.device_id}"
 
     def stream(self, i: int) -> _StreamImpl:
-        s = self.streams[i]
+        s = self.streams.get(i)
         if s is None:
             with self.lock:
-                s = self.streams[i]
+                s = self.streams.get(i)
                 if s is None:
                     s = self.streams[i] = self.backend.new_stream(self, i, 0)
         return s
 
     def all_streams(self) -> list[_StreamImpl]:
-        return [s for s in self.streams if s is not None] + list(self.extra_streams)
+        return list(self.streams.values()) + list(self.extra_streams)
 
     def limit(self, attr: DeviceAttribute) -> int:
         v = self.limits.get(attr)
@@ -89,12 +98,57 @@ class _ContextState(native.StateCore):
                 errors.append(e)
         with self.lock:
             self.closed = True
+            _open_states.discard(self)
             for s in streams:
                 with contextlib.suppress(Exception):
                     s.close()
             self.compiled.clear()
             with contextlib.suppress(Exception):
                 self.backend.close()
+
+
+_open_states: weakref.WeakSet[_ContextState] = weakref.WeakSet()
+# How long the interpreter's exit waits for work still pending on open contexts.
+EXIT_WAIT_S = 10.0
+
+
+def _setter(flag: threading.Event) -> Any:
+    return lambda _e: flag.set()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """At interpreter exit, wait (up to ``EXIT_WAIT_S`` in all) for the work still
+    pending on contexts nobody closed, as closing them would; what has not
+    finished by then is dropped with one warning on the ``asyncgpu`` logger.
+    (Runs after the interpreter has joined the program's non-daemon threads and
+    after ``atexit`` hooks registered later, such as a ``ctx.close``.)"""
+    pending = []
+    for state in list(_open_states):
+        if state.closed:
+            continue
+        for s in state.all_streams():
+            ev = s.point()
+            if ev is not None and not ev._done:
+                pending.append((s.label, ev))
+    if not pending:
+        return
+    deadline = time.monotonic() + EXIT_WAIT_S
+    left = []
+    for label, ev in pending:
+        done = threading.Event()
+        try:
+            ev.add_done_callback(_setter(done))
+        except Exception:  # a stream that cannot be asked any more
+            continue
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            left.append(label)
+    if left:
+        logging.getLogger("asyncgpu").warning(
+            "at exit, work on %s had not finished after %g s; it is dropped",
+            ", ".join(left),
+            EXIT_WAIT_S,
+        )
 
 
 class _Ref(native.RefCore):

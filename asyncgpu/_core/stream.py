@@ -200,7 +200,11 @@ class _StreamImpl:
     def _future(
         self, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
     ) -> asyncio.Future[Any] | None:
-        """A future of ``loop`` that completes with ``ev`` (None: ``ev`` is done)."""
+        """A future of ``loop`` that completes with ``ev`` (None: ``ev`` is done).
+        Host work of this stream awaiting its own operation (through a loop of
+        its own) gets ``RuntimeError``, as a blocking wait does."""
+        if not ev._done:
+            _pool.refuse_wait_from_own_work(self, ev._seq)
         w = _loop_waiter(ev, loop)
         return w.fut if w is not None else None
 

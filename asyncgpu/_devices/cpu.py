@@ -27,11 +27,12 @@ from .._core.function import (
     DeviceFunction,
     Kernel,
     ThreadBlock,
+    refuse_coroutine_function,
     reject_python_scalar,
     reject_unpassable_scalar,
 )
 from .._core.memory import _BufferBase
-from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work
+from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work, start_chained
 from .._core.stream import _StreamImpl
 from .._errors import CompileError, UnsupportedError
 from .._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
@@ -143,7 +144,7 @@ class CpuStream(_StreamImpl):
         if not deps:
             start(ev)
         elif len(deps) == 1:
-            deps[0].add_done_callback(lambda _d: start(ev))
+            deps[0].add_done_callback(lambda _d: start_chained(start, ev))
         else:
             left = [len(deps)]
             lock = threading.Lock()
@@ -153,7 +154,7 @@ class CpuStream(_StreamImpl):
                     left[0] -= 1
                     ready = left[0] == 0
                 if ready:
-                    start(ev)
+                    start_chained(start, ev)
 
             for d in deps:
                 d.add_done_callback(one_done)
@@ -424,7 +425,7 @@ class CpuBackend:
         """The CPU device is healthy when its pool runs work and its memory holds a
         pattern; both are checked."""
         probe = np.arange(4096, dtype=np.uint32) * np.uint32(2654435761)
-        out = cpu_pool().submit(np.copy, probe).result(timeout=30)
+        out = cpu_pool().call(np.copy, probe).result(timeout=30)
         if not np.array_equal(out, probe):  # pragma: no cover - broken host
             from .._errors import HealthCheckError
 
@@ -497,6 +498,7 @@ class CpuBackend:
                 )
             return DeviceFunction(ctx, func.name, func.cpu)
         if callable(func):
+            refuse_coroutine_function(func, "a CPU kernel")
             return DeviceFunction(ctx, str(name or getattr(func, "__name__", "kernel")), func)
         if isinstance(func, str):
             raise UnsupportedError(

@@ -199,10 +199,10 @@ async def test_cpu_functions_that_block_for_other_streams_never_use_up_the_pool(
     from asyncgpu._core.pool import cpu_pool, pool_size
 
     n = pool_size()
-    # First a burst of work queued behind busy threads: the executor then counts
-    # more idle threads than it has, and must start threads all the same.
+    # First a burst of work queued behind busy threads: the pool must then still
+    # start threads for the waits below.
     gate = threading.Event()
-    burst = [cpu_pool().submit(gate.wait, TIMEOUT_S) for _ in range(3 * n)]
+    burst = [cpu_pool().call(gate.wait, TIMEOUT_S) for _ in range(3 * n)]
     gate.set()
     assert all(f.result(TIMEOUT_S) for f in burst)
 

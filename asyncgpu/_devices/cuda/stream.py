@@ -46,7 +46,7 @@ from ..._core.engine import watcher
 from ..._core.event import DeviceEvent, _UserEvent
 from ..._core.function import DeviceFunction
 from ..._core.memory import HostBuffer
-from ..._core.pool import cpu_pool, fan_out, host_work, range_work, waiting_for
+from ..._core.pool import cpu_pool, fan_out, host_work, range_work, start_chained, waiting_for
 from ..._core.stream import _Gate, _HardwareQueues, _HostResult, _PolledStream, _StreamImpl
 from ..._errors import DeviceFaultError, UnsupportedError
 from .driver import (
@@ -643,7 +643,9 @@ class CudaStream(_PolledStream):
             else:
                 self._hostsig.value = k
             if after is not None:
-                after()  # the host work right behind this one
+                # The host work right behind this one; in a loop, not nested (an
+                # empty range finishes inside its start).
+                start_chained(_call, after)
 
         def begin(_e: DeviceEvent | None = None) -> None:
             try:
@@ -662,7 +664,7 @@ class CudaStream(_PolledStream):
         elif prev.query():
             begin()
         else:
-            prev.add_done_callback(begin)
+            prev.add_done_callback(lambda _e: start_chained(begin, None))
         return ev
 
     def cpu_call(
@@ -890,3 +892,7 @@ class _RecordReached:
 
     def __call__(self, point: DeviceEvent) -> None:
         self.event._finish_at(self.stream, self.seq, point._error)
+
+
+def _call(fn: Callable[[], None]) -> None:
+    fn()

@@ -1,0 +1,327 @@
+"""Programs a careless or hostile user might write: none of them may hang the
+process, race with ``close()`` or leak. Each test pins one promise of
+docs/guarantees.md on the CPU device. Where a hang is possible the program runs
+in a child process under a timeout, so a regression fails instead of hanging
+the suite; order comes from events and barriers, never from sleeping."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHILD_TIMEOUT_S = 60
+
+
+def run_child(code: str, timeout: float = CHILD_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter (the CPU device); fails the test on a
+    timeout (a hang) instead of hanging."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), ASYNCGPU_API="cpu")
+    try:
+        return subprocess.run(
+            [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the program hung (no exit in {timeout} s): {e.stdout!r} {e.stderr!r}")
+
+
+def assert_ok(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+# -- hangs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("instant", ["wait_for", "empty_range"])
+def test_a_long_queue_of_instant_operations_behind_busy_work_runs(api: str, instant: str) -> None:
+    """Thousands of operations that finish at once (waits for finished events,
+    empty CPU ranges), queued behind a CPU function that holds the stream: once
+    it ends, each starts the next from its completion, in a loop (nested, the
+    chain ran out of stack and the stream stopped). On CUDA, host work right
+    behind host work is started the same way."""
+    proc = run_child(f"""
+        import threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api={api!r})
+        other = ctx.select_stream(1)
+        done = [other.enqueue_cpu_function(int) for _ in range(400)]
+        other.synchronize()
+        gate = threading.Event()
+        ctx.enqueue_cpu_function(gate.wait)
+        for i in range(3000):
+            if {instant!r} == "wait_for":
+                ctx.enqueue_wait_for(done[i % len(done)])
+            else:
+                ctx.enqueue_cpu_range(lambda i: None, 0)
+        last = ctx.enqueue_cpu_function(lambda: "last")
+        gate.set()
+        assert last.synchronize() == "last"
+        ctx.close()
+        print("OK")
+    """)
+    assert_ok(proc)
+
+
+def test_a_non_daemon_thread_may_use_the_context_after_the_main_thread_returns() -> None:
+    """The interpreter waits for the program's non-daemon threads before it
+    exits; the CPU pool still runs their work meanwhile."""
+    proc = run_child("""
+        import threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        main_done = threading.Event()
+
+        def late_user():
+            assert main_done.wait(30)
+            for i in range(50):
+                assert ctx.enqueue_cpu_function(lambda i=i: i).synchronize() == i
+            ctx.close()
+            print("OK", flush=True)
+
+        threading.Thread(target=late_user).start()
+        main_done.set()
+    """)
+    assert_ok(proc)
+
+
+def test_an_atexit_close_waits_for_queued_work() -> None:
+    """``atexit.register(ctx.close)`` with work still queued: the close waits for
+    the work, which runs."""
+    proc = run_child("""
+        import atexit, threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        gate = threading.Event()
+        ctx.enqueue_cpu_function(gate.wait)
+        for i in range(20):
+            ctx.enqueue_cpu_function(int)
+        ctx.enqueue_cpu_function(lambda: print("OK", flush=True))
+        atexit.register(ctx.close)
+        atexit.register(gate.set)  # (runs first: atexit hooks run last-in first-out)
+    """)
+    assert_ok(proc)
+
+
+def test_exit_with_pending_work_waits_for_it() -> None:
+    """A program that ends without closing its context: the exit waits for the
+    work still queued (bounded: see the next test), which runs, and nothing is
+    printed but the program's own output."""
+    proc = run_child("""
+        import threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        gate = threading.Event()
+        ctx.enqueue_cpu_function(gate.wait)
+        for s in range(4):
+            ctx.select_stream(s).enqueue_cpu_function(int)
+        ctx.enqueue_cpu_function(lambda: print("OK", flush=True))
+        threading.Timer(0.05, gate.set).start()  # (opens the gate during the exit)
+    """)
+    assert_ok(proc)
+    assert proc.stderr == ""
+
+
+def test_exit_drops_work_that_does_not_finish_in_time_with_one_warning() -> None:
+    """Work that is still running after the bounded exit wait is dropped with one
+    warning naming the streams; the process exits."""
+    proc = run_child("""
+        import threading
+        import asyncgpu
+        from asyncgpu._core import state
+        state.EXIT_WAIT_S = 0.2
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        never = threading.Event()
+        for s in range(3):
+            ctx.select_stream(s).enqueue_cpu_function(never.wait)
+            ctx.select_stream(s).enqueue_cpu_function(int)
+        print("OK")
+    """)
+    assert_ok(proc)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "at exit" in lines[0] and "cpu:0/s0" in lines[0] and "cpu:0/s2" in lines[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_cpu_work_runs_in_a_forked_child() -> None:
+    """After ``fork``, the child has a CPU pool of its own: new work runs there, and
+    so does work that was queued but not finished at the fork (the parent runs
+    its own copy)."""
+    proc = run_child("""
+        import os, threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        assert ctx.enqueue_cpu_function(lambda: 1).synchronize() == 1  # pool in use
+        gate = threading.Event()
+        entered = threading.Event()
+        ctx.enqueue_cpu_function(lambda: (entered.set(), gate.wait(30))[1])
+        queued = ctx.enqueue_cpu_function(lambda: "queued")
+        assert entered.wait(30)
+        pid = os.fork()
+        if pid == 0:
+            gate.set()  # (the child's copy of the running function runs again)
+            ok = queued.synchronize() == "queued"
+            ok = ok and ctx.enqueue_cpu_function(lambda: 7).synchronize() == 7
+            rng = ctx.select_stream(2).enqueue_cpu_range(lambda i: None, 64)
+            ok = ok and rng.synchronize() is None
+            ctx.close()
+            os._exit(0 if ok else 1)
+        gate.set()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert queued.synchronize() == "queued"
+        ctx.close()
+        print("OK")
+    """)
+    assert_ok(proc)
+
+
+def test_a_cpu_function_awaiting_its_own_stream_gets_runtime_error() -> None:
+    """A CPU function that runs a loop of its own and awaits its own stream (the
+    context, the stream or its own event) would wait for itself: the await
+    raises ``RuntimeError``, as ``synchronize()`` does."""
+    proc = run_child("""
+        import asyncio
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        me = []
+
+        def awaits_own_stream(what):
+            async def wait():
+                await {"ctx": ctx, "stream": ctx.stream(), "event": me[0] if me else ctx}[what]
+            try:
+                asyncio.run(wait())
+            except RuntimeError as e:
+                return "refused" if "wait for itself" in str(e) else repr(e)
+            return "no error"
+
+        for what in ("ctx", "stream"):
+            assert ctx.enqueue_cpu_function(awaits_own_stream, what).synchronize() == "refused"
+        ev = ctx.enqueue_cpu_function(lambda: awaits_own_stream("event"))
+        me.append(ev)
+        assert ev.synchronize() == "refused"  # (its own event, or the ctx if early)
+        ctx.close()
+        print("OK")
+    """)
+    assert_ok(proc)
+
+
+@pytest.mark.parametrize("exc", ["SystemExit", "KeyboardInterrupt"])
+def test_a_done_callback_raising_a_base_exception_does_not_stop_the_stream(exc: str) -> None:
+    """A done callback of a pending event that raises ``SystemExit`` or
+    ``KeyboardInterrupt`` is logged like any other; the stream's next operation
+    still starts."""
+    proc = run_child(f"""
+        import threading
+        import asyncgpu
+        ctx = asyncgpu.DeviceContext(api="cpu")
+        gate = threading.Event()
+        first = ctx.enqueue_cpu_function(gate.wait)
+
+        def bad(_ev):
+            raise {exc}()
+
+        first.add_done_callback(bad)
+        after = ctx.enqueue_cpu_function(lambda: "after")
+        gate.set()
+        assert after.synchronize() == "after"
+        ctx.close()
+        print("OK")
+    """)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout
+    assert "exception in the done callback" in proc.stderr
+
+
+def test_a_wait_for_a_never_recorded_event_is_refused_at_the_call() -> None:
+    """``enqueue_wait_for`` of an event that was never recorded would hold the
+    stream for good: ``ValueError`` at the call, and the stream goes on."""
+    from asyncgpu import DeviceContext, DeviceEvent
+
+    with DeviceContext(api="cpu") as ctx:
+        with pytest.raises(ValueError, match="never recorded"):
+            ctx.enqueue_wait_for(DeviceEvent(None))
+        # A user event not recorded yet stands for nothing pending: no wait.
+        assert ctx.enqueue_wait_for(ctx.create_event()).query()
+        assert ctx.enqueue_cpu_function(lambda: 3).synchronize() == 3
+
+
+def test_a_done_callback_error_is_logged_whether_or_not_the_event_was_done(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same broken callback gives the same outcome, a log record, on a
+    finished event (called at once) and on a pending one (called later)."""
+    import threading
+
+    from asyncgpu import DeviceContext
+
+    def bad(_ev: object) -> None:
+        raise ValueError("broken callback")
+
+    with DeviceContext(api="cpu") as ctx:
+        done = ctx.enqueue_cpu_function(int)
+        done.synchronize()
+        with caplog.at_level("ERROR", logger="asyncgpu"):
+            done.add_done_callback(bad)  # does not raise
+            gate = threading.Event()
+            pending = ctx.enqueue_cpu_function(gate.wait)
+            called = threading.Event()
+            pending.add_done_callback(bad)
+            pending.add_done_callback(lambda _e: called.set())
+            gate.set()
+            assert called.wait(CHILD_TIMEOUT_S)
+    errors = [r for r in caplog.records if "done callback" in r.getMessage()]
+    assert len(errors) == 2
+    assert all(isinstance(r.exc_info[1], ValueError) for r in errors if r.exc_info)
+
+
+def test_an_async_kernel_body_is_refused() -> None:
+    """An ``async def`` kernel body would only make coroutines that nobody runs
+    (its event would succeed with the body never run): ``TypeError``, as for an
+    async CPU function, for a plain callable and a ``Kernel``'s CPU body."""
+    from asyncgpu import DeviceContext, Kernel
+
+    async def body(b: object, x: object) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="async"):
+        Kernel("k", cpu=body)
+    with DeviceContext(api="cpu") as ctx:
+        buf = ctx.enqueue_create_buffer("int32", 4)
+        with pytest.raises(TypeError, match="async"):
+            ctx.compile_function(body)
+        with pytest.raises(TypeError, match="async"):
+            ctx.enqueue_function(body, buf, grid_dim=1, block_dim=1)
+
+
+def test_a_huge_stream_pool_is_made_on_first_use() -> None:
+    """``num_streams=10**7`` makes a context at once (its streams beyond the first
+    few are made on first use) whose last stream works."""
+    from asyncgpu import DeviceContext
+
+    with DeviceContext(api="cpu", num_streams=10**7) as ctx:
+        assert ctx.num_streams() == 10**7
+        assert len(ctx._state.all_streams()) <= 32
+        last = ctx.select_stream(10**7 - 1)
+        assert last.enqueue_cpu_function(lambda: 5).synchronize() == 5
+        with pytest.raises(IndexError):
+            ctx.select_stream(10**7)
+
+
+def test_an_empty_api_is_refused() -> None:
+    """``api=""`` is an unknown device, not the default one."""
+    from asyncgpu import DeviceContext
+
+    with pytest.raises(ValueError, match="unknown device api"):
+        DeviceContext(api="")
