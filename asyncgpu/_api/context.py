@@ -253,7 +253,7 @@ class DeviceContext(native.ContextCore):
 
     def get_api_version(self) -> int:
         """The driver version (``cuDriverGetVersion``, e.g. 13000 for 13.0); on the CPU
-        device the Python version as major*1000 + minor*10."""
+        device the Python version as ``major * 1000 + minor * 10``."""
         self._check_open()
         return self._state.backend.api_version()
 
