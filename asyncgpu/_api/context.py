@@ -658,9 +658,10 @@ class DeviceContext(native.ContextCore):
     ) -> DeviceEvent:
         """``enqueue_function``: launch ``f`` on the current stream
         (``cuLaunchKernelEx``; on the CPU device its NumPy body runs once per block
-        on the pool). Arguments: device and host buffers, NumPy scalars and arrays,
-        objects with ``__cuda_array_interface__``; a Python int or float raises
-        ``TypeError`` (give it a NumPy type). Returns at once; the event completes
+        on the pool). Arguments: device and host buffers, NumPy scalars,
+        objects with ``__cuda_array_interface__``; anything else (a Python int or
+        float: give it a NumPy type; a NumPy array: copy it into a buffer) raises
+        ``TypeError``, on every device alike. Returns at once; the event completes
         when the kernel has. (The general path, which the compiled
         ``ContextCore.enqueue_function`` falls back to for a function, a geometry
         or a context it has not seen, or a traced one.)"""

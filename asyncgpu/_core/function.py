@@ -34,7 +34,9 @@ __all__ = [
     "DeviceFunction",
     "Kernel",
     "ThreadBlock",
+    "check_scalar_sizes",
     "kernel",
+    "kernel_arg_kind",
     "refuse_coroutine_function",
 ]
 
@@ -60,6 +62,64 @@ def reject_unpassable_scalar(n: int, a: Any) -> None:
             raise TypeError(
                 f"kernel argument {n} ({type(a).__name__}, dtype {dt}) has no C parameter "
                 "type: give a number, a structured scalar (np.void) or a buffer"
+            )
+
+
+# The NumPy scalars a kernel parameter can take, by kind: the sizes CUDA passes
+# (a structured scalar, kind "V", is a C struct of any size).
+PASSABLE_SCALARS = {"i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "b": (1,), "c": (8, 16)}
+# What ``kernel_arg_kind`` tells a device about an argument.
+ARG_BUFFER, ARG_SCALAR, ARG_FOREIGN, ARG_CUDA_CORE = range(4)
+
+
+def kernel_arg_kind(n: int, a: Any) -> int:
+    """Check kernel argument ``n`` by the rule every device applies, and say what
+    it is: a buffer (``ARG_BUFFER``), a NumPy scalar with a C parameter type
+    (``ARG_SCALAR``), another library's device array with
+    ``__cuda_array_interface__`` (``ARG_FOREIGN``) or a cuda.core object
+    (``ARG_CUDA_CORE``). Anything else raises ``TypeError`` naming the argument's
+    index and type: a Python scalar, a NumPy scalar CUDA cannot pass, a NumPy
+    array in pageable memory, ``str``, ``None``, a list, a dict, any other
+    object. A program checked on one device is so checked on the other."""
+    if isinstance(a, native.BufferCore):  # (a DeviceBuffer or HostBuffer)
+        return ARG_BUFFER
+    if isinstance(a, np.generic):
+        reject_unpassable_scalar(n, a)
+        kind = a.dtype.kind
+        if kind != "V" and a.dtype.itemsize not in PASSABLE_SCALARS.get(kind, ()):
+            raise TypeError(
+                f"kernel argument {n} ({type(a).__name__}) has no CUDA parameter type: give "
+                "an integer, float16/32/64, bool, complex64/128 or structured scalar"
+            )
+        return ARG_SCALAR
+    reject_python_scalar(n, a)
+    if isinstance(a, np.ndarray):
+        raise TypeError(
+            f"kernel argument {n} is a NumPy array in pageable host memory; copy it "
+            "into a DeviceBuffer or HostBuffer first"
+        )
+    if getattr(a, "__cuda_array_interface__", None) is not None:
+        return ARG_FOREIGN
+    t = type(a)
+    if hasattr(a, "handle") and t.__module__.startswith("cuda.core"):
+        return ARG_CUDA_CORE
+    raise TypeError(
+        f"kernel argument {n} of type {t.__name__} is not supported: give a DeviceBuffer, "
+        "a HostBuffer, a NumPy scalar or a device array (__cuda_array_interface__)"
+    )
+
+
+def check_scalar_sizes(name: str, args: tuple[Any, ...], want: tuple[int, ...]) -> None:
+    """``TypeError`` unless ``args`` match a kernel's declared parameter sizes in
+    bytes (``want``): their count, and each NumPy scalar's size (a buffer or a
+    device array is an 8-byte address)."""
+    if len(args) != len(want):
+        raise TypeError(f"kernel {name} takes {len(want)} arguments, {len(args)} given")
+    for n, (a, w) in enumerate(zip(args, want, strict=True)):
+        got = a.dtype.itemsize if isinstance(a, np.generic) else 8
+        if got != w:
+            raise TypeError(
+                f"kernel {name} argument {n} is {w} bytes, but {type(a).__name__} is {got} bytes"
             )
 
 

@@ -27,9 +27,8 @@ from .._core.function import (
     DeviceFunction,
     Kernel,
     ThreadBlock,
+    kernel_arg_kind,
     refuse_coroutine_function,
-    reject_python_scalar,
-    reject_unpassable_scalar,
 )
 from .._core.memory import _BufferBase
 from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work, start_chained
@@ -221,8 +220,7 @@ class CpuStream(_StreamImpl):
         if constant_memory:
             raise UnsupportedError("the CPU device has no __constant__ memory")
         for n, a in enumerate(args):
-            reject_python_scalar(n, a)
-            reject_unpassable_scalar(n, a)
+            kernel_arg_kind(n, a)  # what CUDA would refuse is refused here too
         body = fn._impl
         _check_arity(body, fn.name, len(args))
         host_args = tuple(_kernel_arg(a) for a in args)

@@ -873,8 +873,8 @@ def test_enqueue_function_geometry_and_arguments(
     """Launch geometry (ints, tuples, ``Dim``, NumPy integers; zero, negative,
     beyond the device's limits, wrong types), shared memory, clusters and launch
     attributes, and kernel arguments (a Python int, float, bool or complex must
-    raise ``TypeError``: the C type would be a guess). A valid launch runs every
-    thread once in CUDA's linear order."""
+    raise ``TypeError``: the C type would be a guess; so must a NumPy array). A
+    valid launch runs every thread once in CUDA's linear order."""
     geom, allowed = geometry_contract(grid, block, shmem, cluster, attributes)
     if geom is not None:
         # Valid but huge grids are valid: they would only take long on the CPU.
@@ -885,6 +885,10 @@ def test_enqueue_function_geometry_and_arguments(
     args: list[Any] = [out, np.int32(n), np.int32(base)]
     if bad_arg is not None:
         args[bad_arg[0]] = bad_arg[1]
+        allowed.add(TypeError)
+    if out_kind == "numpy":
+        # A NumPy array is pageable host memory: CUDA cannot pass it, so no device
+        # does.
         allowed.add(TypeError)
     launch: dict[str, Any] = {"grid_dim": grid, "block_dim": block}
     if shmem is not None:

@@ -217,6 +217,38 @@ def test_python_scalars_as_kernel_arguments_are_a_type_error(
         ctx.enqueue_function(ADD_ONE, buf, arg, grid_dim=1, block_dim=4)
 
 
+_LONG = np.longdouble(1) if np.dtype(np.longdouble).itemsize not in (2, 4, 8) else np.bytes_(b"x")
+
+
+@pytest.mark.parametrize(
+    ("arg", "named"),
+    [
+        ("4", "str"),
+        (None, "NoneType"),
+        ([4], "list"),
+        ({"n": 4}, "dict"),
+        (object(), "object"),
+        (np.zeros(4, np.int32), "NumPy array"),
+        (_LONG, type(_LONG).__name__),
+    ],
+    ids=["str", "None", "list", "dict", "object", "ndarray", "longdouble"],
+)
+def test_an_argument_cuda_refuses_is_refused_on_every_device(
+    ctx: DeviceContext, arg: object, named: str
+) -> None:
+    """The CPU device used to hand such arguments to the NumPy body: a program
+    checked there failed on CUDA. Both launch paths: a ``Kernel`` (the general
+    one) and a compiled function with a geometry seen before."""
+    f = ctx.compile_function(ADD_ONE)
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    buf.enqueue_fill(0)
+    ctx.enqueue_function(f, buf, np.int32(4), grid_dim=1, block_dim=4)  # caches the geometry
+    for k in (ADD_ONE, f):
+        with pytest.raises(TypeError, match=rf"argument 1\b.*{named}|{named}.*argument 1\b"):
+            ctx.enqueue_function(k, buf, arg, grid_dim=1, block_dim=4)
+    np.testing.assert_array_equal(read(ctx, buf), np.ones(4, np.int32))  # nothing else ran
+
+
 def test_a_buffer_that_cannot_be_used_is_refused_at_the_launch(
     ctx: DeviceContext, api: str
 ) -> None:
