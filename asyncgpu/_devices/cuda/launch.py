@@ -26,12 +26,16 @@ import ctypes
 import re
 from typing import Any
 
-import numpy as np
 from cuda.bindings import driver as cu
 
 from ... import _accel
-from ..._core.function import reject_python_scalar, reject_unpassable_scalar
-from ..._core.memory import DeviceBuffer, HostBuffer
+from ..._core.function import (
+    ARG_BUFFER,
+    ARG_FOREIGN,
+    ARG_SCALAR,
+    check_scalar_sizes,
+    kernel_arg_kind,
+)
 
 _SHMEM_DEFAULT_LIMIT = 48 * 1024
 
@@ -135,9 +139,6 @@ class _ArgPlan:
 
 
 _BUFFER, _CAI = 0, 1
-# The NumPy scalars cuda.core's launch passes: kind -> sizes (a structured scalar,
-# kind "V", goes through cuLaunchKernelEx instead).
-_PASSABLE = {"i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "b": (1,), "c": (8, 16)}
 # The compiled launch's codes of NumPy scalar kinds and sizes (``asyncgpu._native``'s
 # argument codes; a buffer is b"P").
 _NATIVE_CODES = {
@@ -194,57 +195,30 @@ def _kernel_args(plan: _ArgPlan, args: tuple[Any, ...]) -> tuple[Any, ...] | lis
 
 
 def _arg_plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
-    """Validate one tuple of argument types and plan how to pass it."""
+    """Validate one tuple of argument types (by the rule every device applies,
+    ``kernel_arg_kind``, then against the kernel's parameter sizes) and plan how
+    to pass it."""
     conv: list[tuple[int, int]] = []
-    sizes: list[int] = []
     codes: bytes | None = b""
     structs = False
     for n, a in enumerate(args):
-        t = type(a)
+        kind = kernel_arg_kind(n, a)
         code: bytes | None
-        if t is DeviceBuffer or t is HostBuffer:
+        if kind == ARG_BUFFER:
             conv.append((n, _BUFFER))
-            sizes.append(8)
             code = b"P"
-        elif isinstance(a, np.generic):
-            reject_unpassable_scalar(n, a)
-            kind, size = a.dtype.kind, a.dtype.itemsize
-            if kind == "V":
-                structs = True
-            elif size not in _PASSABLE.get(kind, ()):
-                raise TypeError(
-                    f"kernel argument {n} ({t.__name__}) has no CUDA parameter type: give "
-                    "an integer, float16/32/64, bool, complex64/128 or structured scalar"
-                )
-            sizes.append(size)
-            code = _NATIVE_CODES.get((kind, size))
-        elif t in (int, float, bool, complex):
-            reject_python_scalar(n, a)
-        elif isinstance(a, np.ndarray):
-            raise TypeError(
-                f"kernel argument {n} is a NumPy array in pageable host memory; copy it "
-                "into a DeviceBuffer or HostBuffer first"
-            )
-        elif getattr(a, "__cuda_array_interface__", None) is not None:
+        elif kind == ARG_SCALAR:
+            structs = structs or a.dtype.kind == "V"
+            code = _NATIVE_CODES.get((a.dtype.kind, a.dtype.itemsize))
+        elif kind == ARG_FOREIGN:
             conv.append((n, _CAI))
-            sizes.append(8)
             code = None
-        elif hasattr(a, "handle") and t.__module__.startswith("cuda.core"):
-            sizes.append(8)
-            code = None  # cuda.core's launch knows its own objects
         else:
-            raise TypeError(f"kernel argument {n} of type {t.__name__} is not supported")
+            code = None  # cuda.core's launch knows its own objects
         codes = None if codes is None or code is None else codes + code
     want = impl.param_sizes
     if want is not None:
-        if len(args) != len(want):
-            raise TypeError(f"kernel {impl.name} takes {len(want)} arguments, {len(args)} given")
-        for n, (got, w) in enumerate(zip(sizes, want, strict=True)):
-            if got != w:
-                raise TypeError(
-                    f"kernel {impl.name} argument {n} is {w} bytes, but "
-                    f"{type(args[n]).__name__} is {got} bytes"
-                )
+        check_scalar_sizes(impl.name, args, want)
     if structs and impl.param_sizes is None:
         raise TypeError(
             f"kernel {impl.name} has no signature to check a structured scalar's size "
