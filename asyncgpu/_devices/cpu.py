@@ -17,6 +17,7 @@ import os
 import platform
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -292,19 +293,26 @@ def _finish_now(ev: DeviceEvent) -> None:
     ev._finish(None, None)
 
 
-_arity: dict[tuple[Any, int], str | None] = {}  # (function, argument count): the error, if any
+# Per function, per argument count: the error, if any. Weakly keyed, so that a
+# kernel body (a closure and what it holds) is not kept alive by the cache.
+_arity: weakref.WeakKeyDictionary[Any, dict[int, str | None]] = weakref.WeakKeyDictionary()
 
 
 def _check_arity(body: Any, name: str, nargs: int) -> None:
     """``TypeError`` at the launch, not once per block at the await, when the
     kernel body cannot take ``nargs`` arguments after its thread block (checked
     once per function and count; a bound method is keyed by its function, so
-    the objects it is bound to are not kept alive)."""
+    the objects it is bound to are not kept alive, and no function is kept alive
+    by being checked)."""
     func = getattr(body, "__func__", None)
     target, bound = (func, 1) if func is not None else (body, 0)
     try:
-        err = _arity[(target, nargs)]
-    except (KeyError, TypeError):
+        known = _arity.get(target)
+    except TypeError:  # (not weakly referable or unhashable: checked each time)
+        known = None
+    if known is not None and nargs in known:
+        err = known[nargs]
+    else:
         try:
             inspect.signature(target).bind(*range(bound + 1 + nargs))
             err = None
@@ -312,8 +320,11 @@ def _check_arity(body: Any, name: str, nargs: int) -> None:
             err = f"kernel {name!r} takes other arguments than the {nargs} given: {e}"
         except ValueError:  # no signature to read (a builtin): the launch tells
             err = None
-        with contextlib.suppress(TypeError):  # (an unhashable body: not kept)
-            _arity[(target, nargs)] = err
+        if known is not None:
+            known[nargs] = err
+        else:
+            with contextlib.suppress(TypeError):
+                _arity[target] = {nargs: err}
     if err is not None:
         raise TypeError(err)
 

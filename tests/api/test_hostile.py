@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -325,3 +326,47 @@ def test_an_empty_api_is_refused() -> None:
 
     with pytest.raises(ValueError, match="unknown device api"):
         DeviceContext(api="")
+
+
+# -- leaks -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["closure", "Kernel", "bound method"])
+def test_a_kernel_body_is_freed_after_its_context_closes(form: str) -> None:
+    """The CPU device's check of a body's argument count kept every body checked
+    (a closure and what it holds) for the life of the process."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from asyncgpu import DeviceContext, Kernel
+
+    class Holder:
+        def __init__(self) -> None:
+            self.big = np.zeros(10_000)
+
+        def body(self, b: object, out: np.ndarray) -> None:
+            out[0] = self.big.size
+
+    def make_closure(big: np.ndarray) -> Any:
+        def closure(b: object, out: np.ndarray) -> None:
+            out[0] = big.size
+
+        return closure
+
+    holder = Holder()
+    big = holder.big
+    closure = make_closure(big)
+    body = {"closure": closure, "Kernel": Kernel("k", cpu=closure), "bound method": holder.body}
+    with DeviceContext(api="cpu") as ctx:
+        out = ctx.enqueue_create_buffer(np.int64, 1)
+        ctx.enqueue_function(body[form], out, grid_dim=1, block_dim=1)
+        ctx.enqueue_function(body[form], out, grid_dim=1, block_dim=1)
+        host = np.zeros(1, np.int64)
+        ctx.enqueue_copy(host, out).synchronize()
+        assert host[0] == 10_000
+    gone = [weakref.ref(big), weakref.ref(closure), weakref.ref(holder)]
+    del body, big, closure, holder, out, ctx
+    gc.collect()
+    assert [r() for r in gone] == [None, None, None]
