@@ -178,6 +178,14 @@ class LaunchAttribute:
     id: LaunchAttributeID
     value: Any
 
+    def __post_init__(self) -> None:
+        # An id no device knows would otherwise be accepted and mean nothing.
+        if isinstance(self.id, bool) or not isinstance(self.id, numbers.Integral):
+            raise TypeError(f"a launch attribute's id is a LaunchAttributeID, not {self.id!r}")
+        if int(self.id) not in LaunchAttributeID._value2member_map_:
+            known = ", ".join(f"{a.name} ({a.value})" for a in LaunchAttributeID)
+            raise ValueError(f"unknown launch attribute id {self.id!r}: the known ids are {known}")
+
     @staticmethod
     def cooperative(enabled: bool = True) -> LaunchAttribute:
         return LaunchAttribute(LaunchAttributeID.COOPERATIVE, bool(enabled))

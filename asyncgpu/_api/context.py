@@ -31,6 +31,7 @@ from .._core.memory import (
     DeviceBuffer,
     HostBuffer,
     _BufferBase,
+    alloc_bytes,
     as_dtype,
     check_size,
 )
@@ -472,7 +473,7 @@ class DeviceContext(native.ContextCore):
         self._check_open()
         dt = as_dtype(dtype)
         size = check_size(size)
-        alloc = self._state.backend.alloc_device(size * dt.itemsize, self._impl)
+        alloc = self._state.backend.alloc_device(alloc_bytes(dt, size), self._impl)
         return DeviceBuffer(self, alloc, dt, size, self._impl)
 
     if TYPE_CHECKING:  # ContextCore's, which takes the same arguments (the class docstring)
@@ -490,7 +491,7 @@ class DeviceContext(native.ContextCore):
         self._check_open()
         dt = as_dtype(dtype)
         size = check_size(size)
-        alloc = self._state.backend.alloc_host(size * dt.itemsize, self._impl)
+        alloc = self._state.backend.alloc_host(alloc_bytes(dt, size), self._impl)
         return HostBuffer(self, alloc, dt, size, self._impl)
 
     # -- copies ------------------------------------------------------------------------------

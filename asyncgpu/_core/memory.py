@@ -74,6 +74,25 @@ def check_size(size: Any) -> int:
     return size
 
 
+# The most bytes one allocation may ask for: what a signed 64-bit size (and so
+# any device's address space) can count.
+MAX_ALLOC_BYTES = 2**63 - 1
+
+
+def alloc_bytes(dtype: np.dtype[Any], size: int) -> int:
+    """The bytes of ``size`` elements of ``dtype``: ``ValueError`` for a size no
+    device could allocate (more bytes than a 64-bit address space holds). A size
+    that could exist but does not fit the device's memory is the backend's
+    ``DeviceError`` (``CUDA_ERROR_OUT_OF_MEMORY``) at the allocation."""
+    nbytes = size * dtype.itemsize
+    if nbytes > MAX_ALLOC_BYTES:
+        raise ValueError(
+            f"{size} elements of {dtype} are {nbytes} bytes, more than any allocation can "
+            f"hold ({MAX_ALLOC_BYTES} bytes)"
+        )
+    return nbytes
+
+
 class _Span:
     """A NumPy array used as a host span (pageable memory, kept alive by the op)."""
 

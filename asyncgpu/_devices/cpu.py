@@ -34,7 +34,7 @@ from .._core.function import (
 from .._core.memory import _BufferBase
 from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work, start_chained
 from .._core.stream import _StreamImpl
-from .._errors import CompileError, UnsupportedError
+from .._errors import CompileError, DeviceError, UnsupportedError
 from .._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
 if TYPE_CHECKING:
@@ -94,7 +94,15 @@ class _HostAlloc:
 
     def __init__(self, nbytes: int) -> None:
         # 64-byte aligned, like a cache line, whatever NumPy's default is.
-        raw = np.empty(nbytes + 64, np.uint8)
+        try:
+            raw = np.empty(nbytes + 64, np.uint8)
+        except (MemoryError, ValueError):
+            # The CUDA device's error for the same request, so one handler serves both.
+            raise DeviceError(
+                f"cannot allocate {nbytes} bytes of host memory",
+                code=_CUDA_ERROR_OUT_OF_MEMORY,
+                name="CUDA_ERROR_OUT_OF_MEMORY",
+            ) from None
         start = (-raw.ctypes.data) % 64
         self.array = raw
         self.host = raw[start : start + nbytes]
@@ -112,6 +120,7 @@ class _HostAlloc:
 
 
 _detached: list[np.ndarray] = []
+_CUDA_ERROR_OUT_OF_MEMORY = 2
 _PARALLEL_COPY_BYTES = 16 << 20
 
 

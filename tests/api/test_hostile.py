@@ -328,6 +328,38 @@ def test_an_empty_api_is_refused() -> None:
         DeviceContext(api="")
 
 
+def test_an_impossible_allocation_is_asyncgpus_error() -> None:
+    """More bytes than an address space holds is a ``ValueError`` of asyncgpu's
+    (not NumPy's "maximum allowed dimension"); a size that could exist but does
+    not fit in memory is ``DeviceError`` with CUDA's out-of-memory name (not
+    NumPy's ``MemoryError``), as the CUDA device's driver reports it."""
+    import numpy as np
+
+    from asyncgpu import DeviceContext, DeviceError
+
+    with DeviceContext(api="cpu") as ctx:
+        for create in (ctx.enqueue_create_buffer, ctx.enqueue_create_host_buffer):
+            for dtype, size in ((np.float64, 1 << 62), (np.uint8, 1 << 63), (np.int32, 10**30)):
+                with pytest.raises(ValueError, match="more than any allocation can hold"):
+                    create(dtype, size)
+            with pytest.raises(DeviceError) as info:
+                create(np.uint8, 1 << 61)
+            assert info.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
+            assert not isinstance(info.value, MemoryError)
+        assert ctx.enqueue_create_buffer(np.uint8, 8) is not None  # still usable
+
+
+def test_an_unknown_launch_attribute_is_refused() -> None:
+    """``LaunchAttribute(999, 1)`` would be accepted and mean nothing."""
+    from asyncgpu import LaunchAttribute, LaunchAttributeID
+
+    with pytest.raises(ValueError, match=r"COOPERATIVE \(2\).*PRIORITY \(8\)"):
+        LaunchAttribute(999, 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LaunchAttributeID"):
+        LaunchAttribute("priority", 1)  # type: ignore[arg-type]
+    assert LaunchAttribute(2, True).id == LaunchAttributeID.COOPERATIVE  # type: ignore[arg-type]
+
+
 # -- leaks -------------------------------------------------------------------------------
 
 
