@@ -328,7 +328,7 @@ def test_an_empty_api_is_refused() -> None:
         DeviceContext(api="")
 
 
-def test_an_impossible_allocation_is_asyncgpus_error() -> None:
+def test_an_impossible_allocation_is_asyncgpus_error(api: str) -> None:
     """More bytes than an address space holds is a ``ValueError`` of asyncgpu's
     (not NumPy's "maximum allowed dimension"); a size that could exist but does
     not fit in memory is ``DeviceError`` with CUDA's out-of-memory name (not
@@ -337,7 +337,7 @@ def test_an_impossible_allocation_is_asyncgpus_error() -> None:
 
     from asyncgpu import DeviceContext, DeviceError
 
-    with DeviceContext(api="cpu") as ctx:
+    with DeviceContext(api=api) as ctx:
         for create in (ctx.enqueue_create_buffer, ctx.enqueue_create_host_buffer):
             for dtype, size in ((np.float64, 1 << 62), (np.uint8, 1 << 63), (np.int32, 10**30)):
                 with pytest.raises(ValueError, match="more than any allocation can hold"):

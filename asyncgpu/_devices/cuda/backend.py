@@ -46,7 +46,7 @@ from ..._errors import (
 from ..._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 from . import driver as _driver
 from .compiler import compile_cuda, dump_sass, write_dump
-from .driver import _SUCCESS, _check, _entry_point, _error, _memcpy_htod
+from .driver import _SUCCESS, _check, _entry_point, _error, _memcpy_htod, _result_of
 from .launch import _CudaFunction, _LaunchCfg
 from .memory import (
     _STAGE_CHUNK,
@@ -477,14 +477,20 @@ class CudaBackend:
             # Out of memory, perhaps: give back what every stream of the device
             # keeps, then try once more.
             if not self._free_spare_buffers():
+                code, name = _result_of(e)
                 raise DeviceError(
-                    f"allocating {nbytes} bytes on CUDA device {self.device_id}: {e}"
+                    f"allocating {nbytes} bytes on CUDA device {self.device_id}: {e}",
+                    code=code,
+                    name=name,
                 ) from e
             try:
                 buf = self.mr.allocate(nbytes, stream=cs)
             except Exception as e2:
+                code, name = _result_of(e2)
                 raise DeviceError(
-                    f"allocating {nbytes} bytes on CUDA device {self.device_id}: {e2}"
+                    f"allocating {nbytes} bytes on CUDA device {self.device_id}: {e2}",
+                    code=code,
+                    name=name,
                 ) from e2
         return _DeviceAlloc(self, buf, None, nbytes)
 

@@ -19,6 +19,7 @@ The bottom of the package: it imports no other module of it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from cuda.bindings import driver as cu
@@ -52,6 +53,18 @@ def _error(err: Any, what: str) -> DeviceError:
         name, desc = f"CUresult {code}", ""
     cls = DeviceFaultError if err in _STICKY else DeviceError
     return cls(f"{what} failed: {name} ({desc})", code=code, name=name)
+
+
+def _result_of(e: BaseException) -> tuple[int | None, str | None]:
+    """The driver's result named in a cuda.core error's message (``CUDA_ERROR_...``),
+    as ``DeviceError``'s code and name; ``(None, None)`` if it names none."""
+    m = re.search(r"\bCUDA_ERROR_[A-Z0-9_]+", str(e))
+    if m is None:
+        return None, None
+    try:
+        return int(getattr(cu.CUresult, m.group(0))), m.group(0)
+    except AttributeError:
+        return None, m.group(0)
 
 
 def _check(result: Any, what: str) -> Any:
