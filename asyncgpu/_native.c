@@ -2546,6 +2546,30 @@ static int param_addrs(PyObject *mem, unsigned long long *addr, unsigned long lo
     return rc;
 }
 
+/* Take the stream's submit lock for a submission made in C (and cache the
+ * in-flight deque's append where the queue is not an EventQueue): 0, or -1 with
+ * an exception. */
+static int begin_submit(StreamCore *s, Held *sh) {
+    if (!is_queue(s->inflight) &&
+        cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL))
+        return -1;
+    return hold(s->submit_lock, &s->lock_of, &s->acquire, &s->release, sh);
+}
+
+/* Give back the lock begin_submit took, then retire what has finished (prune):
+ * `ev` (the submission's event, or None: handed back), or NULL with an exception. */
+static PyObject *end_submit(StreamCore *s, Held *sh, PyObject *ev) {
+    if (unhold(sh))
+        Py_CLEAR(ev);
+    if (ev == NULL || ev == Py_None)
+        return ev;
+    if (prune(s)) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    return ev;
+}
+
 /* The event of operation `seq` just submitted to `s` (keeping `keep` alive),
  * appended to the stream's in-flight queue: directly to an EventQueue, else
  * through the cached append of the deque. */
@@ -2699,23 +2723,13 @@ static PyObject *launch_fast(StreamCore *s, unsigned long long func,
         Py_DECREF(codes);
         return rc < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     }
-    if ((!is_queue(s->inflight) &&
-         cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL)) ||
-        hold(s->submit_lock, &s->lock_of, &s->acquire, &s->release, &sh)) {
+    if (begin_submit(s, &sh)) {
         Py_DECREF(codes);
         return NULL;
     }
     ev = launch_locked(s, func, d, plan, codes, argt, open_state);
-    if (unhold(&sh))
-        Py_CLEAR(ev);
     Py_DECREF(codes);
-    if (ev == NULL || ev == Py_None)
-        return ev;
-    if (prune(s)) {
-        Py_DECREF(ev);
-        return NULL;
-    }
-    return ev;
+    return end_submit(s, &sh, ev);
 }
 
 /* CudaStream.launch(fn, args, cfg, constant_memory) -> DeviceEvent, in C. The fast
@@ -2860,7 +2874,6 @@ static PyObject *copy_locked(StreamCore *s, unsigned long long dst, unsigned lon
 static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     StreamCore *s = (StreamCore *)self;
     unsigned long long dst, src, nbytes;
-    PyObject *ev;
     Held sh;
     if (n != 4) {
         PyErr_SetString(PyExc_TypeError, "_copy_c(dst, src, nbytes, keep)");
@@ -2870,20 +2883,9 @@ static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ss
         Py_RETURN_NONE;
     if (as_u64(args[0], &dst) || as_u64(args[1], &src) || as_u64(args[2], &nbytes))
         return NULL;
-    if ((!is_queue(s->inflight) &&
-         cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL)) ||
-        hold(s->submit_lock, &s->lock_of, &s->acquire, &s->release, &sh))
+    if (begin_submit(s, &sh))
         return NULL;
-    ev = copy_locked(s, dst, src, nbytes, args[3]);
-    if (unhold(&sh))
-        Py_CLEAR(ev);
-    if (ev == NULL || ev == Py_None)
-        return ev;
-    if (prune(s)) {
-        Py_DECREF(ev);
-        return NULL;
-    }
-    return ev;
+    return end_submit(s, &sh, copy_locked(s, dst, src, nbytes, args[3]));
 }
 
 /* ---------------------------------------------------------------------------------
