@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from asyncgpu import DeviceContext, Kernel, ThreadBlock
-from asyncgpu._tools.timeline import draw_timeline
 
 POLY_CUDA = r"""
 extern "C" __global__ void poly(const float* x, float* y, int n,
@@ -156,13 +156,36 @@ async def main(argv: list[str] | None = None) -> int:
     print(f"  time in stages (multi-stream run): {stages}")
     print(f"verified: {args.chunks} chunks and histograms match NumPy (max abs error {err:.1e})")
     print(f"trace:    {out / 'pipeline-trace.json'}")
-    try:
-        png = out / "pipeline-timeline.png"
-        draw_timeline(trace, png, title=f"pipeline: {args.chunks} chunks on {streams} streams")
-        print(f"timeline: {png}")
-    except ImportError as e:
-        print(f"timeline: skipped ({e})")
+    draw(
+        out / "pipeline-trace.json",
+        out / "pipeline-timeline.png",
+        f"pipeline: {args.chunks} chunks on {streams} streams",
+    )
     return 0
+
+
+def draw(trace_json: Path, png: Path, title: str) -> None:
+    """Draw the saved trace with asyncgpu's command line (``python -m asyncgpu trace``),
+    which needs matplotlib (the ``plot`` extra); without it, say so and go on."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncgpu",
+            "trace",
+            str(trace_json),
+            "--png",
+            str(png),
+            "--title",
+            title,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode == 0:
+        print(f"timeline: {png}")
+    else:
+        print(f"timeline: skipped ({r.stderr.strip() or r.stdout.strip()})")
 
 
 if __name__ == "__main__":
