@@ -79,8 +79,8 @@ class DeviceGraphBuilder:
         state = self._ctx._state
         if b._ctx._state is not state:
             raise ValueError(
-                f"a buffer of the {b._ctx._state.describe()} context cannot be used by a graph "
-                f"of the {state.describe()} context"
+                f"this buffer belongs to another context ({b._ctx._state.describe()}); a graph "
+                f"uses only buffers of the context it is built for ({state.describe()})"
             )
 
     def add_function(
