@@ -13,6 +13,7 @@ replay; the definition itself (nodes, edges, stages) is the core's
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from .._core.event import DeviceEvent
@@ -33,10 +34,11 @@ from .._core.graph import (
 )
 from .._core.memory import DeviceBuffer, HostBuffer, _BufferBase
 from .._core.ops import check_writable, copy_operands
+from .._errors import UnsupportedError
 from .._types import DimLike, FuncAttribute
 from .context import DeviceContext, _scalar_for
 
-__all__ = ["DeviceGraph", "DeviceGraphBuilder"]
+__all__ = ["DeviceGraph", "DeviceGraphBuilder", "RecordingContext"]
 
 _NodeList = Iterable[DeviceGraphNode]
 
@@ -53,11 +55,12 @@ class DeviceGraphBuilder:
     checks them. The graph keeps every buffer it names alive for as long as it
     exists (see ``DeviceGraph``)."""
 
-    __slots__ = ("_ctx", "_def", "_scopes")
+    __slots__ = ("_ctx", "_def", "_lanes", "_scopes")
 
     def __init__(self, ctx: DeviceContext, definition: GraphDefinition) -> None:
         self._ctx = ctx
         self._def = definition
+        self._lanes: dict[int, _Lane] = {}  # what recording contexts have recorded per stream
         # Open regions, innermost last: (their dependencies, index of their first node).
         self._scopes: list[tuple[tuple[int, ...], int]] = []
 
@@ -198,6 +201,22 @@ class DeviceGraphBuilder:
         used = {d for i in added for d in nodes[i]._deps}
         return self._def.add(EMPTY, None, tuple(i for i in added if i not in used))
 
+    def recording_context(self) -> RecordingContext:
+        """A stand-in for the context on which the ordinary calls are recorded as
+        nodes instead of run: ``enqueue_function``, ``enqueue_copy``,
+        ``enqueue_copy_no_cross_stream_sync``, ``enqueue_memset``,
+        ``enqueue_cpu_function``, ``select_stream`` and ``enqueue_wait_for``. Each
+        stream of the context is a lane: a call depends on the call before it on
+        its lane and on what ``enqueue_wait_for`` made the lane wait for, and a
+        copy is ordered with the lanes of its buffers' owning streams, as
+        ``enqueue_copy`` orders it with those streams. Each call returns its
+        node. Code written against a ``DeviceContext`` becomes a graph
+        unchanged, as long as it only enqueues (allocate buffers, and await
+        nothing, inside ``build``)."""
+        self._def._check_open()
+        index = self._ctx._impl.index
+        return RecordingContext(self, index if 0 <= index < self._ctx.num_streams() else 0)
+
     def add_output(self, node: DeviceGraphNode) -> int:
         """Name ``node`` an output of the graph; returns its index among the
         outputs (in the order they were added)."""
@@ -210,6 +229,166 @@ class DeviceGraphBuilder:
     def context(self) -> DeviceContext:
         """The context the graph is built for."""
         return self._ctx
+
+
+class _Lane:
+    """One stream of a recording: its last node, and the nodes its next node waits
+    for besides (``enqueue_wait_for``, copies on other lanes of its buffers)."""
+
+    __slots__ = ("last", "waits")
+
+    def __init__(self) -> None:
+        self.last: DeviceGraphNode | None = None
+        self.waits: list[DeviceGraphNode] = []
+
+
+_RECORDED = (
+    "enqueue_function, enqueue_copy, enqueue_copy_no_cross_stream_sync, enqueue_memset, "
+    "enqueue_cpu_function, select_stream and enqueue_wait_for"
+)
+
+
+class RecordingContext:
+    """What ``DeviceGraphBuilder.recording_context()`` returns: the enqueue calls
+    of a ``DeviceContext`` (bound to one stream of it, a lane), recorded as nodes
+    of the graph being built. Anything else a context does (allocate, wait,
+    synchronize) raises: a recording runs nothing."""
+
+    __slots__ = ("_builder", "_index")
+
+    def __init__(self, builder: DeviceGraphBuilder, index: int) -> None:
+        self._builder = builder
+        self._index = index
+
+    def _lane(self, index: int | None = None) -> _Lane:
+        lanes = self._builder._lanes
+        i = self._index if index is None else index
+        lane = lanes.get(i)
+        if lane is None:
+            lane = lanes[i] = _Lane()
+        return lane
+
+    def _deps(self, lane: _Lane) -> list[DeviceGraphNode]:
+        return ([lane.last] if lane.last is not None else []) + lane.waits
+
+    def _did(self, lane: _Lane, node: DeviceGraphNode) -> DeviceGraphNode:
+        lane.last = node
+        lane.waits = []
+        return node
+
+    def num_streams(self) -> int:
+        """The size of the context's stream pool: the lanes a recording has."""
+        return self._builder._ctx.num_streams()
+
+    def select_stream(self, stream_id: int) -> RecordingContext:
+        """The recording of stream ``stream_id`` of the pool (``IndexError``
+        outside ``0..num_streams()-1``)."""
+        self._builder._ctx.select_stream(stream_id)  # (its checks)
+        return RecordingContext(self._builder, int(stream_id))
+
+    def enqueue_function(
+        self,
+        f: Any,
+        *args: Any,
+        grid_dim: DimLike,
+        block_dim: DimLike,
+        shared_mem_bytes: int | None = None,
+        func_attribute: FuncAttribute | None = None,
+    ) -> DeviceGraphNode:
+        """Record a kernel launch (``DeviceGraphBuilder.add_function``)."""
+        lane = self._lane()
+        node = self._builder.add_function(
+            f,
+            *args,
+            grid_dim=grid_dim,
+            block_dim=block_dim,
+            shared_mem_bytes=shared_mem_bytes,
+            func_attribute=func_attribute,
+            dependencies=self._deps(lane),
+        )
+        return self._did(lane, node)
+
+    def enqueue_copy(self, dst: Any, src: Any) -> DeviceGraphNode:
+        """Record a copy between two buffers, ordered with the lanes of the
+        streams that own them: after their earlier nodes, before their later
+        ones (as ``enqueue_copy`` orders a copy with those streams)."""
+        return self._copy(dst, src, True)
+
+    def enqueue_copy_no_cross_stream_sync(self, dst: Any, src: Any) -> DeviceGraphNode:
+        """Record a copy ordered on this lane alone."""
+        return self._copy(dst, src, False)
+
+    def _copy(self, dst: Any, src: Any, cross: bool) -> DeviceGraphNode:
+        lane = self._lane()
+        deps = self._deps(lane)
+        owners: list[_Lane] = []
+        if cross:
+            n = self.num_streams()
+            for b in (dst, src):
+                owner = getattr(b, "_owner", None)
+                if owner is None or owner.state is not self._builder._ctx._state:
+                    continue
+                i = owner.index
+                if i != self._index and 0 <= i < n:
+                    other = self._lane(i)
+                    if other not in owners:
+                        owners.append(other)
+                        deps += self._deps(other)
+        node = self._builder.add_copy(dst, src, dependencies=deps)
+        for other in owners:
+            other.waits.append(node)
+        return self._did(lane, node)
+
+    def enqueue_memset(self, dst: Any, val: Any) -> DeviceGraphNode:
+        """Record a memset (``DeviceGraphBuilder.add_memset``)."""
+        lane = self._lane()
+        node = self._builder.add_memset(dst, val, dependencies=self._deps(lane))
+        return self._did(lane, node)
+
+    def enqueue_cpu_function(
+        self, func: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> DeviceGraphNode:
+        """Record a CPU function (``DeviceGraphBuilder.add_cpu_function``)."""
+        lane = self._lane()
+        fn = partial(func, **kwargs) if kwargs else func
+        if kwargs:
+            _refuse_coroutine_function(func, "enqueue_cpu_function")
+        node = self._builder.add_cpu_function(fn, *args, dependencies=self._deps(lane))
+        return self._did(lane, node)
+
+    def enqueue_wait_for(self, other: RecordingContext | DeviceGraphNode) -> None:
+        """Make this lane's next node wait for ``other``: another lane (what it has
+        recorded so far) or a node of this graph. Work outside the graph cannot
+        be waited for (``TypeError``)."""
+        lane = self._lane()
+        if isinstance(other, RecordingContext):
+            if other._builder is not self._builder:
+                raise ValueError("enqueue_wait_for: a recording of another graph")
+            if other._index != self._index:
+                lane.waits += self._deps(other._lane())
+            return
+        if isinstance(other, DeviceGraphNode):
+            (i,) = self._builder._def.dep_indices((other,))
+            lane.waits.append(self._builder._def.nodes[i])
+            return
+        raise TypeError(
+            "a recording waits for another lane of the recording or a node of the graph, not "
+            f"{type(other).__name__} (a graph cannot wait for work outside it)"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise UnsupportedError(
+            f"a recording context records {_RECORDED}; {name} is not recorded (allocate "
+            "buffers before recording, and await the graph's replays instead)"
+        )
+
+    def __await__(self) -> Any:
+        raise UnsupportedError("a recording context runs nothing: await graph.replay() instead")
+
+    def __repr__(self) -> str:
+        return f"<RecordingContext lane {self._index} of {self._builder._ctx!r}>"
 
 
 class DeviceGraph:

@@ -23,6 +23,7 @@ from asyncgpu import (
     DeviceGraphBuilder,
     DeviceGraphNode,
     HostBuffer,
+    UnsupportedError,
 )
 
 N = 1000  # elements per buffer (not a multiple of the block: the tail is exercised)
@@ -299,6 +300,116 @@ async def test_replays_run_on_the_selected_stream(ctx: DeviceContext, gate) -> N
     assert not on_s1.query()
     g1.open()
     await on_s1
+
+
+def test_a_traced_replay_is_one_operation_of_kind_graph(ctx: DeviceContext) -> None:
+    x = ctx.enqueue_create_buffer(np.int32, N)
+    graph = DeviceGraph.create(ctx, lambda b: _add_ones(b, x, 2, b.add_memset(x, 0)))
+    with ctx.trace() as t:
+        graph.replay()
+        ctx.enqueue_memset(x, 1).synchronize()
+    kinds = [n.kind for n in t.nodes.values()]
+    assert kinds == ["graph", "memset"]
+    assert next(iter(t.nodes.values())).label == "graph (3 nodes)"
+
+
+# -- recording existing code ---------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_four_stream_diamond_recorded_from_ordinary_calls(
+    ctx: DeviceContext, rng: np.random.Generator
+) -> None:
+    """The calls a program makes on a context (select_stream, enqueue_wait_for,
+    enqueue_*), made on a recording context instead, become the graph: four
+    streams each scale the input, stream 0 sums them. Checked over many replays."""
+    src = ctx.enqueue_create_host_buffer(np.float32, N)
+    x = ctx.enqueue_create_buffer(np.float32, N)
+    ys = [ctx.enqueue_create_buffer(np.float32, N) for _ in range(4)]
+    z = ctx.enqueue_create_buffer(np.float32, N)
+    out = ctx.enqueue_create_host_buffer(np.float32, N)
+    n, grid = np.int32(N), blocks_for(N)
+
+    def program(c) -> None:  # written for a DeviceContext
+        c.enqueue_copy(x, src)
+        c.enqueue_memset(z, 0.0)
+        streams = [c.select_stream(1 + i) for i in range(4)]
+        for i, (s, y) in enumerate(zip(streams, ys, strict=True)):
+            s.enqueue_wait_for(c)
+            s.enqueue_function(SCALE, y, x, np.float32(2**i), n, grid_dim=grid, block_dim=256)
+        for s in streams:
+            c.enqueue_wait_for(s)
+        for y in ys:
+            c.enqueue_function(AXPY, np.float32(1), y, z, n, grid_dim=grid, block_dim=256)
+        c.enqueue_copy(out, z)
+
+    graph = DeviceGraph.create(ctx, lambda b: program(b.recording_context()))
+    scale_nodes = [graph._def.nodes[i] for i in (2, 3, 4, 5)]
+    assert all(node.kind == "kernel" for node in scale_nodes)
+    assert all(len(node.dependencies) == 1 for node in scale_nodes)  # the four run side by side
+    replays = 1000 if ctx.api() == "cuda" else 100
+    for _ in range(replays):
+        data = rng.integers(-1000, 1000, N).astype(np.float32)
+        src.as_numpy()[:] = data
+        await graph.replay()
+        np.testing.assert_array_equal(out.as_numpy(), 15 * data)
+    # The same program, run directly, gives the same result.
+    program(ctx)
+    await ctx
+    np.testing.assert_array_equal(out.as_numpy(), 15 * data)
+
+
+def test_a_recorded_copy_is_ordered_with_its_buffers_owning_streams(ctx: DeviceContext) -> None:
+    """As enqueue_copy on stream 1 of a buffer stream 0 owns waits for stream 0's
+    earlier work and holds up its later work, so does the recorded copy."""
+    x = ctx.enqueue_create_buffer(np.int32, N)  # owned by stream 0
+    y = ctx.enqueue_create_buffer(np.int32, N)
+    out = ctx.enqueue_create_host_buffer(np.int32, N)
+    found = {}
+
+    def build(b: DeviceGraphBuilder) -> None:
+        r = b.recording_context()
+        found["set"] = r.enqueue_memset(x, 5)
+        found["copy"] = r.select_stream(1).enqueue_copy(y, x)
+        found["reset"] = r.enqueue_memset(x, 0)
+        r.enqueue_copy_no_cross_stream_sync(out, y)
+
+    graph = DeviceGraph.create(ctx, build)
+    assert found["set"] in found["copy"].dependencies
+    assert found["copy"] in found["reset"].dependencies
+    graph.replay().synchronize()
+    assert (out.as_numpy() == 5).all()
+
+
+def test_recorded_cpu_functions_run_in_order_in_every_replay(ctx: DeviceContext) -> None:
+    log: list[str] = []
+
+    def build(b: DeviceGraphBuilder) -> None:
+        r = b.recording_context()
+        r.enqueue_cpu_function(log.append, "a")
+        r.select_stream(1).enqueue_cpu_function(lambda *, tag: log.append(tag), tag="b")
+        r.enqueue_cpu_function(log.append, "c")
+
+    graph = DeviceGraph.create(ctx, build)
+    for _ in range(20):
+        graph.replay().synchronize()
+    assert log.count("b") == 20
+    assert [t for t in log if t != "b"] == ["a", "c"] * 20
+
+
+def test_what_a_recording_cannot_record_raises(ctx: DeviceContext) -> None:
+    def build(b: DeviceGraphBuilder) -> None:
+        r = b.recording_context()
+        with pytest.raises(UnsupportedError, match="enqueue_create_buffer is not recorded"):
+            r.enqueue_create_buffer(np.int32, 4)
+        with pytest.raises(UnsupportedError, match="synchronize is not recorded"):
+            r.synchronize()
+        with pytest.raises(TypeError, match="outside"):
+            r.enqueue_wait_for(ctx)
+        with pytest.raises(IndexError):
+            r.select_stream(ctx.num_streams())
+
+    DeviceGraph.create(ctx, build)
 
 
 # -- lifetime ------------------------------------------------------------------------------
