@@ -32,9 +32,11 @@ KERNEL, COPY, MEMSET, CPU, EMPTY = "kernel", "copy", "memset", "cpu", "empty"
 class DeviceGraphNode:
     """A node of a device graph under construction: what a ``DeviceGraphBuilder``
     method returns, passed in later calls' ``dependencies``. A node belongs to
-    the one graph whose builder made it."""
+    the one graph whose builder made it. ``kind`` says what it does:
+    ``"kernel"``, ``"copy"``, ``"memset"``, ``"cpu"`` (a CPU function) or
+    ``"empty"`` (a join)."""
 
-    __slots__ = ("__weakref__", "_deps", "_graph", "_index", "kind", "op")
+    __slots__ = ("__weakref__", "_deps", "_graph", "_index", "_op", "kind")
 
     def __init__(
         self, graph: GraphDefinition, index: int, kind: str, op: Any, deps: tuple[int, ...]
@@ -42,7 +44,7 @@ class DeviceGraphNode:
         self._graph = graph
         self._index = index
         self.kind = kind
-        self.op = op
+        self._op = op
         self._deps = deps
 
     @property
@@ -222,7 +224,7 @@ def run_cpu_nodes(
     after a failed CPU function; the replay's last stage raises the first one,
     so ``await graph.replay()`` sees it."""
     for n in nodes:
-        op: CpuOp = n.op
+        op: CpuOp = n._op
         try:
             op.fn(*op.args)
         except Exception as e:

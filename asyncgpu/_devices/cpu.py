@@ -330,7 +330,7 @@ _NODE_EMPTY, _NODE_FAN, _NODE_CALL = range(3)
 def _node_work(node: DeviceGraphNode) -> tuple[int, Any]:
     """What a graph node does on the CPU device: nothing (a join), a fan-out over
     the pool (a kernel's blocks) or one call on the pool."""
-    op = node.op
+    op = node._op
     if node.kind == KERNEL:
         return _NODE_FAN, _kernel_work(op.fn, op.args, op.cfg)
     if node.kind == COPY:

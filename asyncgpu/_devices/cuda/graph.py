@@ -100,7 +100,7 @@ def _instantiate(nodes: list[DeviceGraphNode]) -> Any:
 
 def _add(gd: Any, base: Any, n: DeviceGraphNode) -> Any:
     """Add node ``n`` after ``base`` (a node, or the definition ``gd`` for a root)."""
-    op = n.op
+    op = n._op
     if n.kind == KERNEL:
         fn = op.fn
         impl = fn._impl
