@@ -14,7 +14,10 @@ Rows (wall time per round trip, median):
   the same instantiated graph (its ``CUgraphExec``) on a stream of its own;
 * ``replay_host`` / ``raw_launch_host`` (the latter CUDA): host time of one
   ``replay()`` / one ``cuGraphLaunch`` call, the stream synchronized every
-  ``--batch`` calls (outside the timed calls).
+  ``--batch`` calls (outside the timed calls);
+* ``tasks_replay`` / ``tasks_enqueue``: ``--tasks`` asyncio tasks, each awaiting
+  ``--rounds`` replays of a graph of ``--small`` kernels on its stream, against
+  the same kernels enqueued one by one (chains per second, whole run).
 
 Goals (issue: device graphs): replay_await <= 1.1x raw_launch_sync; the
 kernel-by-kernel chain >= 3x replay_await; replay_host <= 1.5x raw_launch_host.
@@ -23,6 +26,7 @@ kernel-by-kernel chain >= 3x replay_await; replay_host <= 1.5x raw_launch_host.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -61,7 +65,9 @@ def _chain_graph(ctx: ag.DeviceContext, x: ag.DeviceBuffer, k: int) -> ag.Device
     return ag.DeviceGraph.create(ctx, build)
 
 
-def run(api: str, kernels: int, repeats: int, batch: int) -> dict[str, Any]:
+def run(
+    api: str, kernels: int, repeats: int, batch: int, tasks: int, rounds: int, small: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with ag.DeviceContext(api=api) as ctx:
         x = ctx.enqueue_create_buffer(np.int32, 256)
@@ -96,6 +102,44 @@ def run(api: str, kernels: int, repeats: int, batch: int) -> dict[str, Any]:
         assert host.as_numpy()[0] % kernels == 0, "the chain lost a kernel"
         if api == "cuda":
             out.update(_raw(graph, repeats, batch))
+        out.update(_tasks(ctx, tasks, rounds, small))
+    return out
+
+
+def _tasks(ctx: ag.DeviceContext, tasks: int, rounds: int, small: int) -> dict[str, Any]:
+    """``tasks`` asyncio tasks, each awaiting ``rounds`` replays of a small graph
+    (``small`` kernels) of its stream (task i on stream i % num_streams), against
+    the same tasks enqueuing the same kernels one by one and awaiting the last."""
+    lanes = [ctx.select_stream(i) for i in range(ctx.num_streams())]
+    bufs = [lane.enqueue_create_buffer(np.int32, 256) for lane in lanes]
+    graphs = [_chain_graph(lane, b, small) for lane, b in zip(lanes, bufs, strict=True)]
+    n = np.int32(256)
+
+    async def replaying(i: int) -> None:
+        g = graphs[i % len(graphs)]
+        for _ in range(rounds):
+            await g.replay()
+
+    async def enqueuing(i: int) -> None:
+        lane, b = lanes[i % len(lanes)], bufs[i % len(bufs)]
+        for _ in range(rounds):
+            ev = None
+            for _ in range(small):
+                ev = lane.enqueue_function(ADD_ONE, b, n, grid_dim=1, block_dim=256)
+            await ev  # type: ignore[misc]
+
+    out: dict[str, Any] = {}
+    for name, body in (("tasks_enqueue", enqueuing), ("tasks_replay", replaying)):
+
+        async def all_tasks(body: Any = body) -> float:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(body(i) for i in range(tasks)))
+            return time.perf_counter() - t0
+
+        H.run_async(all_tasks)  # (warm-up: the reactor, the streams' markers)
+        wall = H.run_async(all_tasks)
+        out[name] = {"wall_ms": wall * 1e3, "graphs_per_s": tasks * rounds / wall}
+    ctx.synchronize()
     return out
 
 
@@ -151,6 +195,10 @@ def goals(res: dict[str, Any]) -> list[tuple[str, float | None, str]]:
         r = res.get(k)
         return None if r is None else float(r["median_us"])
 
+    def per_s(a: str, b: str) -> float | None:
+        x, y = res.get(a), res.get(b)
+        return None if x is None or y is None else x["graphs_per_s"] / y["graphs_per_s"]
+
     def ratio(a: str, b: str) -> float | None:
         x, y = med(a), med(b)
         return None if x is None or y is None or y == 0 else x / y
@@ -163,6 +211,7 @@ def goals(res: dict[str, Any]) -> list[tuple[str, float | None, str]]:
             ">= 3",
         ),
         ("replay_host / raw_launch_host", ratio("replay_host", "raw_launch_host"), "<= 1.5"),
+        ("tasks: replay / enqueue chains per s", per_s("tasks_replay", "tasks_enqueue"), "(shown)"),
     ]
 
 
@@ -174,15 +223,22 @@ def main() -> None:
     p.add_argument("--kernels", type=int, default=100)
     p.add_argument("--repeats", type=int, default=None, help="default: 2000 on CUDA, 50 on CPU")
     p.add_argument("--batch", type=int, default=50, help="host-time calls between syncs")
+    p.add_argument("--tasks", type=int, default=1000, help="tasks awaiting small graphs")
+    p.add_argument("--rounds", type=int, default=None, help="replays per task (default 20; CPU 2)")
+    p.add_argument("--small", type=int, default=5, help="kernels in each task's graph")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     api = a.api or ag.default_api()
     repeats = a.repeats or (2000 if api == "cuda" else 50)
+    a.rounds = a.rounds or (20 if api == "cuda" else 2)
     t0 = time.perf_counter()
-    res = run(api, a.kernels, repeats, a.batch)
+    res = run(api, a.kernels, repeats, a.batch, a.tasks, a.rounds, a.small)
     print(f"device: {api}; chain of {a.kernels} kernels; {repeats} repeats; median us")
     for name, r in res.items():
-        print(f"  {name:<22} {r['median_us']:>10.2f}  (p90 {r['p90_us']:.2f})")
+        if "median_us" in r:
+            print(f"  {name:<22} {r['median_us']:>10.2f}  (p90 {r['p90_us']:.2f})")
+        else:
+            print(f"  {name:<22} {r['graphs_per_s']:>10.0f} chains/s  ({r['wall_ms']:.1f} ms)")
     print("goals:")
     for name, v, target in goals(res):
         shown = "n/a (needs CUDA)" if v is None else f"{v:.2f}"
