@@ -400,9 +400,9 @@ class DeviceGraph:
     Lifetime: the graph holds every buffer, function and argument its nodes
     name, and each replay holds the graph until it has finished, so nothing a
     replay uses is freed before the replay ends, whatever the program drops.
-    While the graph exists, ``take_ptr()`` on a buffer it uses raises
-    ``ValueError`` (the memory would leave asyncgpu's hands while a replay may
-    still use it)."""
+    While the graph exists, and until its last replay has ended,
+    ``take_ptr()`` on a buffer it uses raises ``ValueError`` (the memory would
+    leave asyncgpu's hands while a replay may still use it)."""
 
     __slots__ = ("__weakref__", "_ctx", "_def", "_exec")
 
@@ -435,7 +435,7 @@ class DeviceGraph:
         graph._ctx = ctx
         graph._def = definition
         graph._exec = ctx._state.backend.graph(definition)
-        definition.seal(graph)
+        definition.seal(graph._exec)  # (which every replay holds until it ends)
         return graph
 
     def replay(self, ctx: DeviceContext | None = None) -> DeviceEvent:

@@ -167,7 +167,8 @@ class GraphDefinition:
 
     def seal(self, owner: object) -> None:
         """Close the definition; the memory its buffers use cannot be taken
-        (``take_ptr``) until ``owner`` (the graph) is gone."""
+        (``take_ptr``) until ``owner`` is gone: the device's replayable graph,
+        which the graph and every replay still running hold."""
         with self._lock:
             self.sealed = True
         allocs = [b._alloc for b in self._buffers.values() if b._alloc is not None]

@@ -12,7 +12,7 @@ import weakref
 
 import numpy as np
 import pytest
-from _kernels import ADD_ONE, AXPY, SCALE, blocks_for, random_array
+from _kernels import ADD_ONE, AXPY, SCALE, Gate, blocks_for, random_array
 
 from asyncgpu import (
     ContextClosedError,
@@ -452,8 +452,19 @@ def test_take_ptr_is_refused_while_a_graph_uses_the_buffer(api: str) -> None:
         graph = DeviceGraph.create(ctx, lambda b: b.add_memset(sub, 1))
         with pytest.raises(ValueError, match="DeviceGraph"):
             x.take_ptr()  # the parent of a buffer the graph uses: the same memory
-        graph.replay().synchronize()
-        del graph
+        gate = Gate()
+        ctx.enqueue_cpu_function(gate)
+        try:
+            ev = graph.replay()  # (held behind the gate)
+            del graph
+            gc.collect()
+            with pytest.raises(ValueError, match="DeviceGraph"):
+                x.take_ptr()  # the graph is gone, its replay is not: still refused
+        finally:
+            gate.open()
+        ev.synchronize()
+        del ev
+        ctx.synchronize()
         gc.collect()
         if api == "cpu":  # (on CUDA the address would be the test's to free)
             assert x.take_ptr() != 0
