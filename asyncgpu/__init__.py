@@ -6,11 +6,13 @@ GPU. ``import asyncgpu`` needs no driver: the CUDA device is loaded on first use
 """
 
 from ._api.context import DeviceContext, default_api
+from ._api.graph import DeviceGraph, DeviceGraphBuilder
 from ._api.interop import from_cuda_array_interface, from_dlpack
 from ._api.numba import NumbaKernel, load_numba_kernel
 from ._api.stream import DeviceStream
 from ._core.event import DeviceEvent
 from ._core.function import DeviceExternalFunction, DeviceFunction, Kernel, ThreadBlock, kernel
+from ._core.graph import DeviceGraphNode
 from ._core.memory import DeviceBuffer, HostBuffer
 from ._core.trace import Trace, TraceEdge, TraceNode
 from ._errors import (
@@ -48,6 +50,9 @@ __all__ = [
     "DeviceExternalFunction",
     "DeviceFaultError",
     "DeviceFunction",
+    "DeviceGraph",
+    "DeviceGraphBuilder",
+    "DeviceGraphNode",
     "DeviceStream",
     "Dim",
     "FuncAttribute",

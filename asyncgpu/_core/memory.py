@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .protocols import ContextView
     from .stream import _StreamImpl
 
-__all__ = ["DeviceBuffer", "HostBuffer", "as_dtype"]
+__all__ = ["DeviceBuffer", "HostBuffer", "as_dtype", "pin_allocations", "unpin_allocations"]
 
 
 _DTYPES: dict[Any, np.dtype[Any]] = {}  # dtype specifications seen, and what they are
@@ -128,6 +128,29 @@ class _Pointer:
         self._owner = None
 
 
+# Allocations that a device graph uses, by id, with how many live graphs use each
+# (the graphs hold the allocations, so an id here is never reused): their memory
+# cannot be taken out of asyncgpu's hands (``take_ptr``) while a graph may
+# still replay on it.
+_graph_pins: dict[int, int] = {}
+
+
+def pin_allocations(allocs: list[Any]) -> None:
+    """Count one more graph using each of ``allocs``."""
+    for a in allocs:
+        _graph_pins[id(a)] = _graph_pins.get(id(a), 0) + 1
+
+
+def unpin_allocations(allocs: list[Any]) -> None:
+    """A graph using ``allocs`` is gone."""
+    for a in allocs:
+        left = _graph_pins.get(id(a), 0) - 1
+        if left > 0:
+            _graph_pins[id(a)] = left
+        else:
+            _graph_pins.pop(id(a), None)
+
+
 class _BufferBase(native.BufferCore):
     """Shared behaviour of device and host buffers.
 
@@ -216,6 +239,11 @@ class _BufferBase(native.BufferCore):
         self._check()
         if not self._owns:
             raise ValueError("take_ptr() on a sub-buffer: take the parent's pointer instead")
+        if _graph_pins.get(id(self._alloc)):
+            raise ValueError(
+                "take_ptr(): a DeviceGraph uses this buffer's memory and may replay on it; "
+                "drop the graph (and await its last replay) first"
+            )
         ptr = self._ptr
         self._alloc.detach()
         self._alloc = None

@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from .._core.function import (
     kernel_arg_kind,
     refuse_coroutine_function,
 )
+from .._core.graph import COPY, CPU, KERNEL, MEMSET, DeviceGraphNode, GraphDefinition
 from .._core.memory import _BufferBase
 from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work, start_chained
 from .._core.stream import _StreamImpl
@@ -203,13 +205,7 @@ class CpuStream(_StreamImpl):
         return self._enqueue(self._fanout(pieces, piece), keep)
 
     def memset(self, dst: Any, value: np.generic, count: int, keep: Any) -> DeviceEvent:
-        nbytes = count * value.dtype.itemsize
-
-        def body() -> None:
-            d = dst._hostbytes if dst._hostbytes is not None else _raw_bytes(dst._ptr, nbytes)
-            d[:nbytes].view(value.dtype)[...] = value
-
-        return self._enqueue(self._on_pool(body), keep)
+        return self._enqueue(self._on_pool(partial(_fill, dst, value, count)), keep)
 
     def cpu_call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -226,23 +222,10 @@ class CpuStream(_StreamImpl):
         cfg: Any,
         constant_memory: Sequence[ConstantMemoryMapping],
     ) -> DeviceEvent:
-        grid, block, shmem = cfg
         if constant_memory:
             raise UnsupportedError("the CPU device has no __constant__ memory")
-        for n, a in enumerate(args):
-            kernel_arg_kind(n, a)  # what CUDA would refuse is refused here too
-        body = fn._impl
-        _check_arity(body, fn.name, len(args))
-        host_args = tuple(_kernel_arg(a) for a in args)
-        tidx = ThreadBlock.thread_indices(block)
-        gx, gy = grid.x, grid.y
-
-        def work(lo: int, hi: int) -> None:
-            for b in range(lo, hi):
-                bidx = Dim(b % gx, (b // gx) % gy, b // (gx * gy))
-                body(ThreadBlock(grid, block, bidx, tidx, shmem), *host_args)
-
-        return self._enqueue(self._fanout(grid.size(), work), (fn, args))
+        count, work = _kernel_work(fn, args, cfg)
+        return self._enqueue(self._fanout(count, work), (fn, args))
 
     def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
         return self._enqueue(_finish_now, None, extra=ev)
@@ -267,6 +250,127 @@ class CpuStream(_StreamImpl):
             stamp()
         else:
             prev.add_done_callback(stamp)
+
+
+class CpuGraph:
+    """A device graph on the CPU device: each replay is one operation of the
+    stream it is replayed on, which runs the nodes on the pool in dependency
+    order (independent nodes at the same time), each as soon as the nodes it
+    depends on have finished, and finishes when the last node has (with the
+    first error a node raised, after every node has run)."""
+
+    def __init__(self, definition: GraphDefinition) -> None:
+        self.definition = definition
+        self._succ = definition.successors()
+        self._indeg = [len(n._deps) for n in definition.nodes]
+        self._roots = [i for i, d in enumerate(self._indeg) if d == 0]
+        # (checked here, at DeviceGraph.create: a bad kernel argument raises there)
+        self._work = [_node_work(n) for n in definition.nodes]
+
+    def replay(self, stream: CpuStream) -> DeviceEvent:
+        """Enqueue one replay on ``stream``; never blocks."""
+        return stream._enqueue(partial(self._start, stream), self)
+
+    def _start(self, stream: CpuStream, ev: DeviceEvent) -> None:
+        work, succ = self._work, self._succ
+        if not work:
+            ev._finish(None, None)
+            return
+        left = list(self._indeg)
+        remaining = [len(work)]
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+        seq = ev._seq
+
+        def done(i: int, error: BaseException | None) -> None:
+            ready = []
+            with lock:
+                if error is not None:
+                    errors.append(error)
+                remaining[0] -= 1
+                last = remaining[0] == 0
+                for j in succ[i]:
+                    left[j] -= 1
+                    if left[j] == 0:
+                        ready.append(j)
+            for j in ready:
+                # (in a loop, not nested: a chain of empty nodes finishes inside
+                # the starts)
+                start_chained(start, j)
+            if last:
+                ev._finish(None, errors[0] if errors else None)
+
+        def run(i: int, fn: Callable[[], Any]) -> None:
+            host_work.stream, host_work.seq = stream, seq
+            error = None
+            try:
+                fn()
+            except BaseException as e:
+                error = e
+            host_work.stream = None
+            done(i, error)
+
+        def start(i: int) -> None:
+            kind, payload = work[i]
+            if kind == _NODE_EMPTY:
+                done(i, None)
+            elif kind == _NODE_FAN:
+                count, body = payload
+                fan_out(stream, seq, count, body, lambda _v, e: done(i, e))
+            else:
+                cpu_pool().submit(run, i, payload)
+
+        for r in self._roots:
+            start_chained(start, r)
+
+
+_NODE_EMPTY, _NODE_FAN, _NODE_CALL = range(3)
+
+
+def _node_work(node: DeviceGraphNode) -> tuple[int, Any]:
+    """What a graph node does on the CPU device: nothing (a join), a fan-out over
+    the pool (a kernel's blocks) or one call on the pool."""
+    op = node._op
+    if node.kind == KERNEL:
+        return _NODE_FAN, _kernel_work(op.fn, op.args, op.cfg)
+    if node.kind == COPY:
+        d, s, n = op.dst._hostbytes, op.src._hostbytes, op.nbytes
+        return _NODE_CALL, partial(np.copyto, d[:n], s[:n])
+    if node.kind == MEMSET:
+        return _NODE_CALL, partial(_fill, op.dst, op.value, op.count)
+    if node.kind == CPU:
+        return _NODE_CALL, partial(op.fn, *op.args)
+    return _NODE_EMPTY, None
+
+
+def _kernel_work(
+    fn: DeviceFunction, args: tuple[Any, ...], cfg: Any
+) -> tuple[int, Callable[[int, int], None]]:
+    """A CPU kernel launch, checked (what CUDA would refuse is refused here too)
+    and ready to run: its block count and ``work(lo, hi)``, which runs blocks
+    ``lo..hi-1`` of the NumPy body."""
+    grid, block, shmem = cfg
+    for n, a in enumerate(args):
+        kernel_arg_kind(n, a)
+    body = fn._impl
+    _check_arity(body, fn.name, len(args))
+    host_args = tuple(_kernel_arg(a) for a in args)
+    tidx = ThreadBlock.thread_indices(block)
+    gx, gy = grid.x, grid.y
+
+    def work(lo: int, hi: int) -> None:
+        for b in range(lo, hi):
+            bidx = Dim(b % gx, (b // gx) % gy, b // (gx * gy))
+            body(ThreadBlock(grid, block, bidx, tidx, shmem), *host_args)
+
+    return grid.size(), work
+
+
+def _fill(dst: Any, value: np.generic, count: int) -> None:
+    """Set ``count`` elements of ``dst`` (a memory operand) to ``value``."""
+    nbytes = count * value.dtype.itemsize
+    d = dst._hostbytes if dst._hostbytes is not None else _raw_bytes(dst._ptr, nbytes)
+    d[:nbytes].view(value.dtype)[...] = value
 
 
 def _run(ev: DeviceEvent, fn: Callable[[], Any]) -> None:
@@ -554,6 +658,10 @@ class CpuBackend:
 
     def close(self) -> None:
         pass
+
+    def graph(self, definition: GraphDefinition) -> CpuGraph:
+        """The CPU device's replayable form of a finished graph definition."""
+        return CpuGraph(definition)
 
     def elapsed_ns(self, fn: Callable[[], Any], stream: _StreamImpl) -> int:
         """Host nanoseconds from before the first call until the stream has finished

@@ -6,6 +6,7 @@ One concept per module, each importing only those below it (an import-linter
 contract in pyproject.toml):
 
 * ``backend``: ``CudaBackend`` (one device) and the process's registries;
+* ``graph``: device graphs as driver graphs, replayed in stream order;
 * ``stream``: ``CudaStream``: completion markers, waits, host work, faults;
 * ``launch``: loaded kernels and how their arguments are passed;
 * ``memory``: completion counters, device allocations, pinned host memory,

@@ -14,8 +14,8 @@ device (``_shared_backend``) and the peer access enabled between devices
 (``cuCtxEnablePeerAccess``).
 
 The package's modules, each importing only those below it (the import-linter
-contract in pyproject.toml): ``backend`` > ``stream`` > ``launch`` | ``memory``
-> ``driver`` | ``compiler``.
+contract in pyproject.toml): ``backend`` > ``graph`` > ``stream`` > ``launch`` |
+``memory`` > ``driver`` | ``compiler``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from ..._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPr
 from . import driver as _driver
 from .compiler import compile_cuda, dump_sass, write_dump
 from .driver import _SUCCESS, _check, _entry_point, _error, _memcpy_htod, _result_of
+from .graph import CudaGraph
 from .launch import _CudaFunction, _LaunchCfg
 from .memory import (
     _STAGE_CHUNK,
@@ -60,6 +61,7 @@ from .memory import (
 from .stream import CudaStream
 
 if TYPE_CHECKING:
+    from ..._core.graph import GraphDefinition
     from ..._core.protocols import ContextView as DeviceContext
     from ..._core.state import _ContextState
     from ..._types import ConstantMemoryMapping, FuncAttribute, LaunchAttribute
@@ -895,6 +897,12 @@ class CudaBackend:
             self._free_stamps.append(stamp)
         else:
             cu.cuEventDestroy(stamp)
+
+    def graph(self, definition: GraphDefinition) -> CudaGraph:
+        """A finished graph definition as driver graphs, instantiated now (one per
+        stage between CPU nodes: ``cuGraphCreate``, ``cuGraphAdd*Node``,
+        ``cuGraphInstantiate``; blocks while the driver builds them)."""
+        return CudaGraph(self, definition)
 
     def close(self) -> None:
         # The primary context stays retained for the process: other contexts of the

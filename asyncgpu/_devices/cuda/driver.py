@@ -11,7 +11,7 @@ result codes, and the errors made of them.
   (``cuGetProcAddress``) and ``backend._bind_native`` binds.
 * The plain driver calls that a held stream runs later, in stream order
   (``cuMemcpyAsync``, ``cuMemcpyHtoDAsync``, ``cuMemsetD*Async``,
-  ``cuEventRecord``, ``cuStreamWaitEvent``, ``cuStreamWriteValue64``): each
+  ``cuGraphLaunch``, ``cuEventRecord``, ``cuStreamWaitEvent``, ``cuStreamWriteValue64``): each
   enqueues and returns without waiting for the device.
 
 The bottom of the package: it imports no other module of it.
@@ -117,6 +117,10 @@ def _memset(ptr: int, size: int, bits: int, count: int, stream: Any) -> None:
         if r[0] == _SUCCESS:
             r = cu.cuMemsetD2D32Async(ptr + 4, 8, bits >> 32, 1, count, stream)
     _check(r, "cuMemsetAsync")
+
+
+def _graph_launch(exe: Any, stream: Any) -> None:
+    _check(cu.cuGraphLaunch(exe, stream), "cuGraphLaunch")
 
 
 def _record(e: Any, stream: Any) -> None:

@@ -56,6 +56,7 @@ from .driver import (
     _SUCCESS,
     _check,
     _error,
+    _graph_launch,
     _memcpy,
     _memset,
     _record,
@@ -514,6 +515,26 @@ class CudaStream(_PolledStream):
                 self._issue(self._seq + 1, _memset, dst._ptr, size, bits, count, self.raw)
                 self._after_copy = True
             return self._mark(keep)
+
+    def graph_launch(self, exe: Any, keep: Any) -> DeviceEvent:
+        """``cuGraphLaunch`` of an instantiated graph (a ``CUgraphExec``) in stream
+        order: it starts after the stream's earlier work, and later work waits
+        for all of it. Never blocks the host; a stream held behind host work
+        queues the launch. ``keep`` (the graph) lives until the launch is seen
+        to finish."""
+        self.backend.make_current()
+        with self._submit_lock:
+            self._before_submit()
+            if self._pending is None:
+                err = cu.cuGraphLaunch(exe, self.raw)[0]
+                if err != _SUCCESS:
+                    raise _error(err, "cuGraphLaunch")
+            else:
+                self._pending.append((self._seq + 1, partial(_graph_launch, exe, self.raw)))
+            self._after_copy = False
+            ev = self._mark(keep)
+        self._prune()
+        return ev
 
     def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
         other = ev._stream

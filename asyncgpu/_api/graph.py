@@ -1,0 +1,479 @@
+"""DeviceGraph and DeviceGraphBuilder: MAX's device graphs, with awaitable replay.
+
+``DeviceGraph.create(ctx, build)`` hands a ``DeviceGraphBuilder`` to ``build``,
+which adds kernel, copy, memset, CPU function and join nodes with their
+dependencies; the graph is then instantiated once by the context's device
+(``Backend.graph``) and each ``replay()`` is one stream-ordered operation
+returning a ``DeviceEvent``. The builder checks every argument here, as the
+matching ``enqueue_*`` call would, so a graph fails at its call, not at a
+replay; the definition itself (nodes, edges, stages) is the core's
+(``_core.graph``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+from .._core.event import DeviceEvent
+from .._core.function import ARG_BUFFER, ARG_FOREIGN, DeviceFunction, kernel_arg_kind
+from .._core.function import refuse_coroutine_function as _refuse_coroutine_function
+from .._core.graph import (
+    COPY,
+    CPU,
+    EMPTY,
+    KERNEL,
+    MEMSET,
+    CopyOp,
+    CpuOp,
+    DeviceGraphNode,
+    GraphDefinition,
+    KernelOp,
+    MemsetOp,
+)
+from .._core.memory import DeviceBuffer, HostBuffer, _BufferBase
+from .._core.ops import check_writable, copy_operands
+from .._errors import UnsupportedError
+from .._types import DimLike, FuncAttribute
+from .context import DeviceContext, _scalar_for
+
+__all__ = ["DeviceGraph", "DeviceGraphBuilder", "RecordingContext"]
+
+_NodeList = Iterable[DeviceGraphNode]
+
+
+class DeviceGraphBuilder:
+    """What ``DeviceGraph.create`` hands to its ``build`` function: adds the nodes
+    of one graph. Every ``add_*`` method returns a ``DeviceGraphNode``; a node
+    with no ``dependencies`` is a root, and a list of nodes gives its incoming
+    edges (it runs after all of them). Nodes are added only while ``build``
+    runs; the nodes of one graph cannot be dependencies in another
+    (``ValueError``).
+
+    Arguments are checked at the call, as the matching ``enqueue_*`` call
+    checks them. The graph keeps every buffer it names alive for as long as it
+    exists (see ``DeviceGraph``)."""
+
+    __slots__ = ("_ctx", "_def", "_lanes", "_scopes")
+
+    def __init__(self, ctx: DeviceContext, definition: GraphDefinition) -> None:
+        self._ctx = ctx
+        self._def = definition
+        self._lanes: dict[int, _Lane] = {}  # what recording contexts have recorded per stream
+        # Open regions, innermost last: (their dependencies, index of their first node).
+        self._scopes: list[tuple[tuple[int, ...], int]] = []
+
+    def _deps(self, dependencies: _NodeList) -> tuple[int, ...]:
+        """The checked dependencies of a new node; inside a region, a node that
+        depends on nothing added in the region gets the region's dependencies."""
+        self._def._check_open()
+        self._ctx._check_open()
+        deps = self._def.dep_indices(dependencies)
+        if self._scopes:
+            outer, start = self._scopes[-1]
+            if not any(i >= start for i in deps):
+                deps = self._def.dep_indices((), (*outer, *deps))
+        return deps
+
+    def _buffer(self, b: _BufferBase) -> None:
+        """A buffer the graph will use: usable, and of this context."""
+        b._check()
+        state = self._ctx._state
+        if b._ctx._state is not state:
+            raise ValueError(
+                f"this buffer belongs to another context ({b._ctx._state.describe()}); a graph "
+                f"uses only buffers of the context it is built for ({state.describe()})"
+            )
+
+    def add_function(
+        self,
+        f: DeviceFunction | Any,
+        *args: Any,
+        grid_dim: DimLike,
+        block_dim: DimLike,
+        shared_mem_bytes: int | None = None,
+        func_attribute: FuncAttribute | None = None,
+        dependencies: _NodeList = (),
+    ) -> DeviceGraphNode:
+        """A kernel node: ``f`` launched with ``args`` (a kernel node,
+        ``cuGraphAddKernelNode``, on CUDA; the NumPy body once per block on the
+        CPU device). ``f`` and the arguments are what ``enqueue_function``
+        takes (another library's arrays excepted: copy them into a
+        ``DeviceBuffer``); the argument values are fixed when the node is
+        added, and buffers are used in place at every replay."""
+        deps = self._deps(dependencies)
+        ctx = self._ctx
+        fn = f if type(f) is DeviceFunction else ctx._compiled(f, func_attribute)
+        if fn._ctx._state is not ctx._state:
+            raise ValueError("this DeviceFunction was compiled for another context")
+        cfg = ctx._launch_config(fn, grid_dim, block_dim, None, shared_mem_bytes, ())
+        buffers = []
+        for n, a in enumerate(args):
+            kind = kernel_arg_kind(n, a)
+            if kind == ARG_FOREIGN:
+                raise TypeError(
+                    f"kernel argument {n}: a graph takes DeviceBuffers, HostBuffers and NumPy "
+                    f"scalars, not another library's array ({type(a).__name__}); copy it into "
+                    "a DeviceBuffer"
+                )
+            if kind == ARG_BUFFER:
+                self._buffer(a)
+                buffers.append(a)
+        return self._def.add(KERNEL, KernelOp(fn, args, cfg), deps, buffers)
+
+    def add_copy(
+        self,
+        dst: DeviceBuffer | HostBuffer,
+        src: DeviceBuffer | HostBuffer,
+        dependencies: _NodeList = (),
+    ) -> DeviceGraphNode:
+        """A copy node between two buffers (``cuGraphAddMemcpyNode`` on CUDA):
+        the same dtype, the destination's length copied, as in
+        ``enqueue_copy``. NumPy arrays and raw addresses are not taken: copy
+        through a ``HostBuffer``."""
+        deps = self._deps(dependencies)
+        for x, name in ((dst, "dst"), (src, "src")):
+            if not isinstance(x, (DeviceBuffer, HostBuffer)):
+                raise TypeError(
+                    f"add_copy: {name} must be a DeviceBuffer or HostBuffer (a graph copies "
+                    f"between buffers; stage arrays through a HostBuffer), not {type(x).__name__}"
+                )
+            self._buffer(x)
+        d, s, nbytes = copy_operands(self._ctx, dst, src, None, None)
+        return self._def.add(COPY, CopyOp(d, s, nbytes), deps, (dst, src))
+
+    def add_memset(
+        self, buf: DeviceBuffer, value: Any, dependencies: _NodeList = ()
+    ) -> DeviceGraphNode:
+        """A memset node: every element of the device buffer ``buf`` set to
+        ``value``, which must fit its dtype (``cuGraphAddMemsetNode`` on CUDA;
+        8-byte elements as two 4-byte memsets of every other word). A
+        ``HostBuffer`` is filled by a CPU function node instead."""
+        deps = self._deps(dependencies)
+        if not isinstance(buf, DeviceBuffer):
+            raise TypeError(
+                f"add_memset sets a DeviceBuffer, not {type(buf).__name__} (fill a HostBuffer "
+                "with add_cpu_function)"
+            )
+        self._buffer(buf)
+        check_writable(buf)
+        v = _scalar_for(buf._dtype, value)
+        if buf._dtype.itemsize not in (1, 2, 4, 8):
+            raise TypeError(f"memset supports 1, 2, 4 and 8-byte elements, not {buf._dtype}")
+        return self._def.add(MEMSET, MemsetOp(buf, v, buf._size), deps, (buf,))
+
+    def add_cpu_function(
+        self, fn: Callable[..., Any], *args: Any, dependencies: _NodeList = ()
+    ) -> DeviceGraphNode:
+        """A CPU function node: ``fn(*args)`` runs on asyncgpu's CPU pool once in
+        every replay, after the nodes it depends on and before the nodes that
+        depend on it (on CUDA the replay is split around it, and the device
+        work behind it is handed to the driver once it returns: no Python runs
+        on a driver thread). Its return value is dropped; the first error a
+        CPU function raises in a replay is raised by that replay's event."""
+        deps = self._deps(dependencies)
+        if not callable(fn):
+            raise TypeError(f"add_cpu_function needs a callable, not {fn!r}")
+        _refuse_coroutine_function(fn, "add_cpu_function")
+        return self._def.add(CPU, CpuOp(fn, args), deps, args)
+
+    def region(
+        self, fn: Callable[[DeviceGraphBuilder], Any], dependencies: _NodeList = ()
+    ) -> DeviceGraphNode:
+        """Run ``fn(builder)``; every node it adds that depends on nothing else
+        added in the region depends on ``dependencies``. Returns one join node
+        that depends on everything the region added (an empty region's join
+        depends on ``dependencies`` directly, so it still gates on them)."""
+        deps = self._deps(dependencies)
+        if not callable(fn):
+            raise TypeError(f"region needs a callable, not {fn!r}")
+        nodes = self._def.nodes
+        start = len(nodes)
+        self._scopes.append((deps, start))
+        try:
+            fn(self)
+        finally:
+            self._scopes.pop()
+        added = range(start, len(nodes))
+        if not added:
+            return self._def.add(EMPTY, None, deps)
+        used = {d for i in added for d in nodes[i]._deps}
+        return self._def.add(EMPTY, None, tuple(i for i in added if i not in used))
+
+    def recording_context(self) -> RecordingContext:
+        """A stand-in for the context on which the ordinary calls are recorded as
+        nodes instead of run: ``enqueue_function``, ``enqueue_copy``,
+        ``enqueue_copy_no_cross_stream_sync``, ``enqueue_memset``,
+        ``enqueue_cpu_function``, ``select_stream`` and ``enqueue_wait_for``. Each
+        stream of the context is a lane: a call depends on the call before it on
+        its lane and on what ``enqueue_wait_for`` made the lane wait for, and a
+        copy is ordered with the lanes of its buffers' owning streams, as
+        ``enqueue_copy`` orders it with those streams. Each call returns its
+        node. Code written against a ``DeviceContext`` becomes a graph
+        unchanged, as long as it only enqueues (allocate buffers, and await
+        nothing, inside ``build``)."""
+        self._def._check_open()
+        index = self._ctx._impl.index
+        return RecordingContext(self, index if 0 <= index < self._ctx.num_streams() else 0)
+
+    def add_output(self, node: DeviceGraphNode) -> int:
+        """Name ``node`` an output of the graph; returns its index among the
+        outputs (in the order they were added)."""
+        return self._def.add_output(node)
+
+    def num_outputs(self) -> int:
+        """How many outputs the graph has so far."""
+        return len(self._def.outputs)
+
+    def context(self) -> DeviceContext:
+        """The context the graph is built for."""
+        return self._ctx
+
+
+class _Lane:
+    """One stream of a recording: its last node, and the nodes its next node waits
+    for besides (``enqueue_wait_for``, copies on other lanes of its buffers)."""
+
+    __slots__ = ("last", "waits")
+
+    def __init__(self) -> None:
+        self.last: DeviceGraphNode | None = None
+        self.waits: list[DeviceGraphNode] = []
+
+
+_RECORDED = (
+    "enqueue_function, enqueue_copy, enqueue_copy_no_cross_stream_sync, enqueue_memset, "
+    "enqueue_cpu_function, select_stream and enqueue_wait_for"
+)
+
+
+class RecordingContext:
+    """What ``DeviceGraphBuilder.recording_context()`` returns: the enqueue calls
+    of a ``DeviceContext`` (bound to one stream of it, a lane), recorded as nodes
+    of the graph being built. Anything else a context does (allocate, wait,
+    synchronize) raises: a recording runs nothing."""
+
+    __slots__ = ("_builder", "_index")
+
+    def __init__(self, builder: DeviceGraphBuilder, index: int) -> None:
+        self._builder = builder
+        self._index = index
+
+    def _lane(self, index: int | None = None) -> _Lane:
+        lanes = self._builder._lanes
+        i = self._index if index is None else index
+        lane = lanes.get(i)
+        if lane is None:
+            lane = lanes[i] = _Lane()
+        return lane
+
+    def _deps(self, lane: _Lane) -> list[DeviceGraphNode]:
+        return ([lane.last] if lane.last is not None else []) + lane.waits
+
+    def _did(self, lane: _Lane, node: DeviceGraphNode) -> DeviceGraphNode:
+        lane.last = node
+        lane.waits = []
+        return node
+
+    def num_streams(self) -> int:
+        """The size of the context's stream pool: the lanes a recording has."""
+        return self._builder._ctx.num_streams()
+
+    def select_stream(self, stream_id: int) -> RecordingContext:
+        """The recording of stream ``stream_id`` of the pool (``IndexError``
+        outside ``0..num_streams()-1``)."""
+        self._builder._ctx.select_stream(stream_id)  # (its checks)
+        return RecordingContext(self._builder, int(stream_id))
+
+    def enqueue_function(
+        self,
+        f: Any,
+        *args: Any,
+        grid_dim: DimLike,
+        block_dim: DimLike,
+        shared_mem_bytes: int | None = None,
+        func_attribute: FuncAttribute | None = None,
+    ) -> DeviceGraphNode:
+        """Record a kernel launch (``DeviceGraphBuilder.add_function``)."""
+        lane = self._lane()
+        node = self._builder.add_function(
+            f,
+            *args,
+            grid_dim=grid_dim,
+            block_dim=block_dim,
+            shared_mem_bytes=shared_mem_bytes,
+            func_attribute=func_attribute,
+            dependencies=self._deps(lane),
+        )
+        return self._did(lane, node)
+
+    def enqueue_copy(self, dst: Any, src: Any) -> DeviceGraphNode:
+        """Record a copy between two buffers, ordered with the lanes of the
+        streams that own them: after their earlier nodes, before their later
+        ones (as ``enqueue_copy`` orders a copy with those streams)."""
+        return self._copy(dst, src, True)
+
+    def enqueue_copy_no_cross_stream_sync(self, dst: Any, src: Any) -> DeviceGraphNode:
+        """Record a copy ordered on this lane alone."""
+        return self._copy(dst, src, False)
+
+    def _copy(self, dst: Any, src: Any, cross: bool) -> DeviceGraphNode:
+        lane = self._lane()
+        deps = self._deps(lane)
+        owners: list[_Lane] = []
+        if cross:
+            n = self.num_streams()
+            for b in (dst, src):
+                owner = getattr(b, "_owner", None)
+                if owner is None or owner.state is not self._builder._ctx._state:
+                    continue
+                i = owner.index
+                if i != self._index and 0 <= i < n:
+                    other = self._lane(i)
+                    if other not in owners:
+                        owners.append(other)
+                        deps += self._deps(other)
+        node = self._builder.add_copy(dst, src, dependencies=deps)
+        for other in owners:
+            other.waits.append(node)
+        return self._did(lane, node)
+
+    def enqueue_memset(self, dst: Any, val: Any) -> DeviceGraphNode:
+        """Record a memset (``DeviceGraphBuilder.add_memset``)."""
+        lane = self._lane()
+        node = self._builder.add_memset(dst, val, dependencies=self._deps(lane))
+        return self._did(lane, node)
+
+    def enqueue_cpu_function(
+        self, func: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> DeviceGraphNode:
+        """Record a CPU function (``DeviceGraphBuilder.add_cpu_function``)."""
+        lane = self._lane()
+        fn = partial(func, **kwargs) if kwargs else func
+        if kwargs:
+            _refuse_coroutine_function(func, "enqueue_cpu_function")
+        node = self._builder.add_cpu_function(fn, *args, dependencies=self._deps(lane))
+        return self._did(lane, node)
+
+    def enqueue_wait_for(self, other: RecordingContext | DeviceGraphNode) -> None:
+        """Make this lane's next node wait for ``other``: another lane (what it has
+        recorded so far) or a node of this graph. Work outside the graph cannot
+        be waited for (``TypeError``)."""
+        lane = self._lane()
+        if isinstance(other, RecordingContext):
+            if other._builder is not self._builder:
+                raise ValueError("enqueue_wait_for: a recording of another graph")
+            if other._index != self._index:
+                lane.waits += self._deps(other._lane())
+            return
+        if isinstance(other, DeviceGraphNode):
+            (i,) = self._builder._def.dep_indices((other,))
+            lane.waits.append(self._builder._def.nodes[i])
+            return
+        raise TypeError(
+            "a recording waits for another lane of the recording or a node of the graph, not "
+            f"{type(other).__name__} (a graph cannot wait for work outside it)"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise UnsupportedError(
+            f"a recording context records {_RECORDED}; {name} is not recorded (allocate "
+            "buffers before recording, and await the graph's replays instead)"
+        )
+
+    def __await__(self) -> Any:
+        raise UnsupportedError("a recording context runs nothing: await graph.replay() instead")
+
+    def __repr__(self) -> str:
+        return f"<RecordingContext lane {self._index} of {self._builder._ctx!r}>"
+
+
+class DeviceGraph:
+    """A device graph, instantiated once and replayed as one operation.
+
+    ``DeviceGraph.create(ctx, build)`` builds it; ``await graph.replay()`` runs
+    every node once, in dependency order, on the context's current stream.
+
+    Lifetime: the graph holds every buffer, function and argument its nodes
+    name, and each replay holds the graph until it has finished, so nothing a
+    replay uses is freed before the replay ends, whatever the program drops.
+    While the graph exists, and until its last replay has ended,
+    ``take_ptr()`` on a buffer it uses raises ``ValueError`` (the memory would
+    leave asyncgpu's hands while a replay may still use it)."""
+
+    __slots__ = ("__weakref__", "_ctx", "_def", "_exec")
+
+    _ctx: DeviceContext
+    _def: GraphDefinition
+    _exec: Any
+
+    def __init__(self) -> None:
+        raise TypeError("make a DeviceGraph with DeviceGraph.create(ctx, build)")
+
+    @classmethod
+    def create(cls, ctx: DeviceContext, build: Callable[[DeviceGraphBuilder], Any]) -> DeviceGraph:
+        """Call ``build(builder)`` once, then instantiate the graph on ``ctx``'s
+        device (on CUDA: one driver graph per stretch between CPU function
+        nodes, ``cuGraphInstantiate``, which blocks while the driver builds it).
+        Replays run on ``ctx``'s current stream. The builder cannot be used
+        after this returns."""
+        if not isinstance(ctx, DeviceContext):
+            raise TypeError(f"DeviceGraph.create takes a DeviceContext, not {type(ctx).__name__}")
+        ctx._check_open()
+        if not callable(build):
+            raise TypeError(f"DeviceGraph.create needs a build function, not {build!r}")
+        definition = GraphDefinition()
+        try:
+            build(DeviceGraphBuilder(ctx, definition))
+        finally:
+            definition.sealed = True
+        ctx._check_open()
+        graph = object.__new__(cls)
+        graph._ctx = ctx
+        graph._def = definition
+        graph._exec = ctx._state.backend.graph(definition)
+        definition.seal(graph._exec)  # (which every replay holds until it ends)
+        return graph
+
+    def replay(self, ctx: DeviceContext | None = None) -> DeviceEvent:
+        """Enqueue one run of the whole graph on the current stream of the
+        context it was created with (or of ``ctx``, another view of the same
+        context: ``graph.replay(ctx.select_stream(1))``), in stream order: it
+        starts after the stream's earlier work and later work waits for it.
+        Returns at once (``cuGraphLaunch`` per stretch between CPU function
+        nodes on CUDA); the event completes when every node has. Buffers the
+        graph uses that other streams write are ordered as for a kernel: with
+        ``enqueue_wait_for``."""
+        view = self._ctx
+        if ctx is not None:
+            if not isinstance(ctx, DeviceContext):
+                raise TypeError(f"replay takes a DeviceContext, not {type(ctx).__name__}")
+            if ctx._state is not view._state:
+                raise ValueError("a graph replays only on streams of the context it was built for")
+            view = ctx
+        state = view._state
+        if state.closed or not view._ref.open:
+            view._check_open()
+        impl = view._impl
+        ev: DeviceEvent = self._exec.replay(impl)
+        if state.trace is not None:
+            state.trace.record(impl, ev, "graph", f"graph ({len(self._def.nodes)} nodes)")
+        return ev
+
+    def num_outputs(self) -> int:
+        """How many nodes the build named outputs (``add_output``)."""
+        return len(self._def.outputs)
+
+    def num_nodes(self) -> int:
+        """How many nodes the graph has (joins included)."""
+        return len(self._def.nodes)
+
+    def context(self) -> DeviceContext:
+        """The context (bound to the stream replays run on) the graph was built for."""
+        return self._ctx
+
+    def __repr__(self) -> str:
+        return f"<DeviceGraph {len(self._def.nodes)} nodes on {self._ctx!r}>"
