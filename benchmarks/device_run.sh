@@ -9,7 +9,7 @@
 #                benchmarks/diagnostics/probe_await.py: where the time of an awaited launch goes;
 #                benchmarks/diagnostics/probe_trace.py: where a traced launch's time goes)
 # Writes under $OUT (at most 8 files): env.txt, tests.log (with memcheck's log), tests.json,
-# bench.json, bench.log, probe.json (with probe_await's and probe_trace's figures under "await" and "trace"), soak.json, soak.log. Copy them to benchmarks/results/ as DATE-GPU-WHAT-COMMIT.EXT, in place
+# bench.json, bench.log, extra.json (graphs, and the A/B of two builds when .variant/ exists), probe.json (with probe_await's and probe_trace's figures under "await" and "trace"), soak.json, soak.log. Copy them to benchmarks/results/ as DATE-GPU-WHAT-COMMIT.EXT, in place
 # of that GPU kind's files there (benchmarks/results/README.md), and commit them.
 # The H200 image lacks some test dependencies; carry them as wheels (device tool: carry .whl,
 # and asyncgpu/_native.abi3.so built here by `pip install -e .`):
@@ -131,6 +131,28 @@ if [ "$MODE" != tests ]; then
     if [ -z "$SKIP_BENCH" ]; then
       timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       tail -45 "$OUT/bench.log"
+      # Device graphs (benchmarks/graphs.py) and, when .variant/ holds another build of the
+      # package (benchmarks/diagnostics/make_variant.sh), the A/B of the two builds: their
+      # figures go into extra.json under "graphs" and "primitives_ab", their logs into
+      # bench.log (the device tool brings back at most 8 files).
+      { echo; echo "== benchmarks/graphs.py =="; } >> "$OUT/bench.log"
+      timeout "${GRAPHS_TIMEOUT:-120}" python3 benchmarks/graphs.py --api cuda --json /tmp/graphs.json \
+        >> "$OUT/bench.log" 2>&1
+      if [ -d .variant/asyncgpu ] && [ -f benchmarks/diagnostics/primitives_ab.py ]; then
+        { echo; echo "== benchmarks/diagnostics/primitives_ab.py =="; } >> "$OUT/bench.log"
+        timeout "${AB_TIMEOUT:-150}" python3 benchmarks/diagnostics/primitives_ab.py --variant-dir .variant \
+          --json /tmp/primitives-ab.json >> "$OUT/bench.log" 2>&1
+      fi
+      python3 - "$OUT/extra.json" graphs=/tmp/graphs.json primitives_ab=/tmp/primitives-ab.json <<'PY'
+import json, os, sys
+extra = {}
+for arg in sys.argv[2:]:
+    key, path = arg.split("=", 1)
+    if os.path.exists(path):
+        extra[key] = json.load(open(path))
+json.dump(extra, open(sys.argv[1], "w"), indent=1)
+PY
+      sed -n '/== benchmarks\/graphs.py ==/,$p' "$OUT/bench.log" | tail -40
     fi
     if [ -n "$PROBE" ]; then
       timeout 120 python3 benchmarks/diagnostics/probe_driver.py --json "$OUT/probe.json" 2>&1 | tail -20
