@@ -8,9 +8,10 @@ placed where a completion can be waited for; see ``stream._PolledStream``), and
 events on one stream complete in submission order, so noticing completions
 costs one plain memory read per stream, whatever the number of pending events.
 
-Two pollers read those counters:
+Three pollers read those counters:
 
-* ``_Reactor``: one per asyncio event loop, a task on that loop. It polls every
+* ``_Reactor``: one per asyncio event loop (any loop with asyncio's public API,
+  uvloop included), a task on that loop. It polls every
   stream with pending awaits once per loop iteration while completions keep
   coming (``SPIN_S``), then parks on a timer (``PARK_S`` backing off to
   ``PARK_MAX_S``), so a long kernel costs almost no CPU. Wake-ups it causes happen
@@ -18,14 +19,16 @@ Two pollers read those counters:
   from the iterations before): no thread hop, no self-pipe write, and no loop
   iteration long enough to starve other tasks. With the extension each
   iteration's batch runs in one loop callback (``_wake_batch``) that finishes
-  each ``DirectFuture`` and runs its task's step at once; without it, plain
-  ``set_result`` calls.
-* ``_Watcher``: one thread per process, for everything that is not an asyncio
-  await (``add_done_callback``, trio awaits, CPU functions enqueued behind GPU
+  each ``DirectFuture`` and runs its task's step at once.
+* ``_TrioReactor``: the same polling for one trio run, a system task of that
+  run, waking its awaits through ``trio.Event`` as many per batch of trio's
+  runnable tasks as fit in ``ITERATION_S``.
+* ``_Watcher``: one thread per process, for everything that is not an await
+  (``add_done_callback``, CPU functions enqueued behind GPU
   work, sweeping finished work so that what it kept alive is released). It
   spins briefly, then sleeps with backoff, and stops when it has nothing to do.
 
-Both ask the stream for sticky device faults whenever they have been idle for
+All three ask the stream for sticky device faults whenever they have been idle for
 ``FAULT_CHECK_S`` and fail every pending event of the faulted context, so no
 await hangs after a fault.
 """
@@ -110,6 +113,7 @@ class _Poller:
         "held_waits",
         "kicked",
         "pending",
+        "streak",
         "woke_at",
         "woken",
     )
@@ -126,6 +130,14 @@ class _Poller:
         # (stream, seq) whose marker's hand-over to the driver will wake this
         # reactor (_behind_host_work)
         self.held_waits: set[tuple[_PolledStream, int]] = set()
+        self.streak = 0.0  # while inline spins go on without a yield: when they must stop
+
+    def _arm(self) -> None:
+        """Have the loop call ``_end_streak`` once it next runs its callbacks."""
+        raise NotImplementedError
+
+    def _end_streak(self) -> None:
+        self.streak = 0.0
 
     def _insert(self, stream: _PolledStream, seq: int, ev: DeviceEvent, waker: Any) -> None:
         awaits = self.pending.get(stream)
@@ -330,6 +342,9 @@ class _Reactor(_Poller):
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to wake
             self.loop.call_soon_threadsafe(self._woken_by, key)
 
+    def _arm(self) -> None:
+        self.loop.call_soon(self._end_streak)
+
     def _wake(self, wakers: list[Any]) -> None:
         self.loop.call_soon(_wake_batch, wakers)
 
@@ -401,6 +416,44 @@ def reactor_for(loop: asyncio.AbstractEventLoop) -> _Reactor:
     return r
 
 
+def _lone(stream: _PolledStream, ev: DeviceEvent, reactor: _Poller) -> bool:
+    """Whether ``ev``'s awaiter is alone on its loop's reactor (no other await
+    pending, no wake-up queued) and its work is in the driver's hands (not
+    held behind host work, whose end no spin can hasten)."""
+    return (
+        not reactor.pending
+        and not reactor.deferred
+        and (stream._pending is None or stream._issued_mark >= ev._seq)
+    )
+
+
+def _spin(stream: _PolledStream, ev: DeviceEvent, reactor: _Poller) -> bool:
+    """Read ``stream``'s counter in a tight loop for at most ``INLINE_SPIN_S``:
+    True when ``ev`` is done by then.
+
+    An await that ends here never yields to the loop, so a task awaiting short
+    work again and again would keep every other task and timer of the loop
+    waiting. The spins of a *streak* (since the loop last ran a callback that
+    the streak's first spin scheduled, ``_arm``) so share ``ITERATION_S``, as
+    the reactor's wake-ups of one iteration do; past it the await goes through
+    the reactor, and so yields."""
+    now = _monotonic()
+    streak = reactor.streak
+    if not streak:
+        reactor.streak = now + ITERATION_S
+        reactor._arm()
+    elif now > streak:
+        return False
+    completed = stream._completed
+    seq = ev._seq
+    deadline = now + INLINE_SPIN_S
+    while completed() < seq:
+        if _monotonic() > deadline:
+            return False
+    stream._retire()
+    return ev._done  # type: ignore[no-any-return]
+
+
 def polled_future(
     stream: _PolledStream, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
 ) -> asyncio.Future[Any] | None:
@@ -426,21 +479,8 @@ def polled_future(
     else:
         reactor = reactor_for(loop)
         _last = (loop, reactor)
-    if (
-        not reactor.pending
-        and not reactor.deferred
-        and (stream._pending is None or stream._issued_mark >= ev._seq)  # not behind host work
-    ):
-        completed = stream._completed
-        seq = ev._seq
-        deadline = _monotonic() + INLINE_SPIN_S
-        while completed() < seq:
-            if _monotonic() > deadline:
-                break
-        else:
-            stream._retire()
-            if ev._done:
-                return None
+    if _lone(stream, ev, reactor) and _spin(stream, ev, reactor):
+        return None
     # (``reactor.add``'s usual case, inline: the await's hot path)
     fut: asyncio.Future[Any] = _Future(loop=loop)
     awaits = reactor.pending.get(stream)
@@ -496,6 +536,9 @@ class _TrioReactor(_Poller):
         with contextlib.suppress(self.trio.RunFinishedError):  # the run is over
             self.token.run_sync_soon(self._woken_by, key)
 
+    def _arm(self) -> None:
+        self.token.run_sync_soon(self._end_streak)
+
     def _wake(self, wakers: list[Any]) -> None:
         for done in wakers:
             done.set()
@@ -544,14 +587,17 @@ def _trio_reactor(trio: Any) -> _TrioReactor:
 
 async def trio_wait(stream: _PolledStream, ev: DeviceEvent) -> None:
     """The trio await of a polled stream (its ``_trio_wait``; the stream was asked
-    once already): a lone awaiter whose work is in the driver's hands polls the
-    stream at each ``trio.lowlevel.checkpoint`` for ``TRIO_SPIN_S`` (other
-    tasks run at each one), then, as every other awaiter, waits on a
+    once already): a lone awaiter whose work is in the driver's hands spins as
+    an asyncio one does (``INLINE_SPIN_S``), then polls the stream at each
+    ``trio.lowlevel.checkpoint`` for ``TRIO_SPIN_S`` (other tasks run at each
+    one), then, as every other awaiter, waits on a
     ``trio.Event`` that the run's reactor sets. Cancellable at every step
     (a cancel scope, ``trio.move_on_after``); the work is never cancelled."""
     trio = sys.modules["trio"]
     reactor = _trio_reactor(trio)
-    if not reactor.pending and (stream._pending is None or stream._issued_mark >= ev._seq):
+    if _lone(stream, ev, reactor):
+        if _spin(stream, ev, reactor):
+            return
         checkpoint = trio.lowlevel.checkpoint
         deadline = _monotonic() + TRIO_SPIN_S
         while True:
