@@ -305,3 +305,92 @@ def test_a_loop_closed_with_awaits_pending_leaves_nothing_broken(
         if line != "Task was destroyed but it is pending!" and not line.startswith("task: <Task")
     ]
     assert reported == []
+
+
+FAULT_SCRIPT = textwrap.dedent(
+    r"""
+    import asyncio, sys
+    import numpy as np
+    import asyncgpu as ag
+
+    loop_name = sys.argv[1]
+    SRC = '''
+    extern "C" __global__ void trap() { __trap(); }
+    extern "C" __global__ void spin(long long c) {
+        long long t = clock64(); while (clock64() - t < c) {} }
+    '''
+    ctx = ag.DeviceContext(api="cuda")
+    trap = ctx.compile_function(SRC, "trap")
+    spin = ctx.compile_function(SRC, "spin")
+    khz = ctx.default_device_info.clock_rate_khz
+    buf = ctx.enqueue_create_buffer(np.float32, 1024)
+    ctx.synchronize()
+    ctx.enqueue_function(spin, np.int64(khz * 50), grid_dim=1, block_dim=1)  # ~50 ms
+    pending = [
+        ctx.enqueue_function(trap, grid_dim=1, block_dim=1),
+        ctx.enqueue_memset(buf, 1.0),
+        ctx.enqueue_cpu_function(lambda: "behind the fault"),
+    ]
+    results = []
+
+    async def wait(ev):
+        try:
+            results.append(await ev)
+        except ag.DeviceFaultError as e:
+            results.append(e)
+
+    if loop_name == "trio":
+        import trio
+
+        async def main():
+            with trio.fail_after(10):
+                async with trio.open_nursery() as nursery:
+                    for ev in pending:
+                        for _ in range(4):
+                            nursery.start_soon(wait, ev)
+
+        trio.run(main)
+    else:
+        async def main():
+            await asyncio.wait_for(
+                asyncio.gather(*(wait(ev) for ev in pending for _ in range(4))), 10
+            )
+
+        if loop_name == "uvloop":
+            import uvloop
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
+    kinds = sorted({type(r).__name__ for r in results})
+    assert len(results) == 12 and kinds == ["DeviceFaultError"], kinds
+    print("OK")
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop", "trio"])
+def test_a_device_fault_fails_the_pending_awaits_on_every_loop(
+    loop_name: str, tmp_path: Path
+) -> None:
+    """A trapping kernel with work behind it, each awaited by four tasks: on
+    every loop each await raises ``DeviceFaultError`` (none hangs). In a child
+    process: a sticky fault ruins the process's CUDA context."""
+    from conftest import CUDA_DEVICES, NO_CUDA_REASON
+
+    if CUDA_DEVICES == 0:
+        pytest.skip(NO_CUDA_REASON)
+    if loop_name == "uvloop" and uvloop is None:
+        pytest.skip("uvloop is not installed")
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_SCRIPT)
+    env = dict(os.environ, ASYNCGPU_DISABLE_HEALTHCHECK="1")
+    proc = subprocess.run(
+        [sys.executable, str(script), loop_name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("OK")
