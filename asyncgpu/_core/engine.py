@@ -133,7 +133,8 @@ class _Poller:
         self.streak = 0.0  # while inline spins go on without a yield: when they must stop
 
     def _arm(self) -> None:
-        """Have the loop call ``_end_streak`` once it next runs its callbacks."""
+        """Make sure the streak ends once the loop has let its other tasks run
+        (asyncio: a callback that ends it, run by the loop's next pass)."""
         raise NotImplementedError
 
     def _end_streak(self) -> None:
@@ -433,8 +434,8 @@ def _spin(stream: _PolledStream, ev: DeviceEvent, reactor: _Poller) -> bool:
 
     An await that ends here never yields to the loop, so a task awaiting short
     work again and again would keep every other task and timer of the loop
-    waiting. The spins of a *streak* (since the loop last ran a callback that
-    the streak's first spin scheduled, ``_arm``) so share ``ITERATION_S``, as
+    waiting. The spins of a *streak* (until the loop has let its other tasks
+    run, ``_arm``) so share ``ITERATION_S``, as
     the reactor's wake-ups of one iteration do; past it the await goes through
     the reactor, and so yields."""
     now = _monotonic()
@@ -537,7 +538,10 @@ class _TrioReactor(_Poller):
             self.token.run_sync_soon(self._woken_by, key)
 
     def _arm(self) -> None:
-        self.token.run_sync_soon(self._end_streak)
+        # Nothing to schedule: ``trio_wait`` ends the streak whenever an awaiter
+        # yields (a callback through the run's token would cost the run a
+        # wake-up of its own, and its next batch a task step, per streak).
+        pass
 
     def _wake(self, wakers: list[Any]) -> None:
         for done in wakers:
@@ -602,11 +606,15 @@ async def trio_wait(stream: _PolledStream, ev: DeviceEvent) -> None:
         deadline = _monotonic() + TRIO_SPIN_S
         while True:
             await checkpoint()
+            reactor._end_streak()  # (the run's other tasks have had their turn)
             if ev.query():
                 return
             if reactor.pending or _monotonic() > deadline:
                 break
-    await reactor.add(stream, ev).wait()
+    try:
+        await reactor.add(stream, ev).wait()
+    finally:
+        reactor._end_streak()
 
 
 # -- the watcher thread -------------------------------------------------------------
