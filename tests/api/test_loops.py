@@ -22,7 +22,7 @@ import anyio
 import numpy as np
 import pytest
 import trio
-from _kernels import ADD_ONE, TIMEOUT_S, blocks_for, poison, random_array
+from _kernels import ADD_ONE, TIMEOUT_S, TRAP_AND_SPIN, blocks_for, poison, random_array
 from _loops import BACKENDS, checkpoint, is_trio, uvloop
 
 from asyncgpu import DeviceContext
@@ -203,6 +203,29 @@ async def test_an_operations_error_reaches_its_awaiters_and_the_stream_goes_on(
 
 # -- a loop closed, or a run ended, with awaits pending (in a child process) -------------
 
+
+def _run_child(
+    tmp_path: Path, script: str, loop_name: str, arg: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a child process with ``loop_name`` and ``arg``; it must
+    exit 0 and print ``OK`` last."""
+    if loop_name == "uvloop" and uvloop is None:
+        pytest.skip("uvloop is not installed")
+    path = tmp_path / "child.py"
+    path.write_text(script)
+    env = dict(os.environ, ASYNCGPU_DISABLE_HEALTHCHECK="1")
+    proc = subprocess.run(
+        [sys.executable, str(path), loop_name, arg],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("OK")
+    return proc
+
+
 CLOSE_SCRIPT = textwrap.dedent(
     r"""
     import asyncio, sys, threading
@@ -284,20 +307,7 @@ def test_a_loop_closed_with_awaits_pending_leaves_nothing_broken(
     run ends (trio); the work then finishes, nobody is left to wake, and a
     new loop awaits it. In a child process, as a hang must not stall the
     suite."""
-    if loop_name == "uvloop" and uvloop is None:
-        pytest.skip("uvloop is not installed")
-    script = tmp_path / "close.py"
-    script.write_text(CLOSE_SCRIPT)
-    env = dict(os.environ, ASYNCGPU_DISABLE_HEALTHCHECK="1")
-    proc = subprocess.run(
-        [sys.executable, str(script), loop_name, api],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().endswith("OK")
+    proc = _run_child(tmp_path, CLOSE_SCRIPT, loop_name, api)
     # (asyncio reports each pending task it destroys; nothing else may be reported)
     reported = [
         line
@@ -313,12 +323,7 @@ FAULT_SCRIPT = textwrap.dedent(
     import numpy as np
     import asyncgpu as ag
 
-    loop_name = sys.argv[1]
-    SRC = '''
-    extern "C" __global__ void trap() { __trap(); }
-    extern "C" __global__ void spin(long long c) {
-        long long t = clock64(); while (clock64() - t < c) {} }
-    '''
+    loop_name, SRC = sys.argv[1], sys.argv[2]  # (tests/_kernels.py's TRAP_AND_SPIN)
     ctx = ag.DeviceContext(api="cuda")
     trap = ctx.compile_function(SRC, "trap")
     spin = ctx.compile_function(SRC, "spin")
@@ -380,17 +385,4 @@ def test_a_device_fault_fails_the_pending_awaits_on_every_loop(
 
     if CUDA_DEVICES == 0:
         pytest.skip(NO_CUDA_REASON)
-    if loop_name == "uvloop" and uvloop is None:
-        pytest.skip("uvloop is not installed")
-    script = tmp_path / "fault.py"
-    script.write_text(FAULT_SCRIPT)
-    env = dict(os.environ, ASYNCGPU_DISABLE_HEALTHCHECK="1")
-    proc = subprocess.run(
-        [sys.executable, str(script), loop_name],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().endswith("OK")
+    _run_child(tmp_path, FAULT_SCRIPT, loop_name, TRAP_AND_SPIN)
