@@ -113,6 +113,7 @@ class _Poller:
         "held_waits",
         "kicked",
         "pending",
+        "polling",
         "streak",
         "woke_at",
         "woken",
@@ -131,6 +132,7 @@ class _Poller:
         # reactor (_behind_host_work)
         self.held_waits: set[tuple[_PolledStream, int]] = set()
         self.streak = 0.0  # while inline spins go on without a yield: when they must stop
+        self.polling = 0  # awaiters polling at checkpoints, not yet pending here (trio)
 
     def _arm(self) -> None:
         """Make sure the streak ends once the loop has let its other tasks run
@@ -419,11 +421,12 @@ def reactor_for(loop: asyncio.AbstractEventLoop) -> _Reactor:
 
 def _lone(stream: _PolledStream, ev: DeviceEvent, reactor: _Poller) -> bool:
     """Whether ``ev``'s awaiter is alone on its loop's reactor (no other await
-    pending, no wake-up queued) and its work is in the driver's hands (not
-    held behind host work, whose end no spin can hasten)."""
+    pending or polling, no wake-up queued) and its work is in the driver's
+    hands (not held behind host work, whose end no spin can hasten)."""
     return (
         not reactor.pending
         and not reactor.deferred
+        and not reactor.polling
         and (stream._pending is None or stream._issued_mark >= ev._seq)
     )
 
@@ -604,13 +607,17 @@ async def trio_wait(stream: _PolledStream, ev: DeviceEvent) -> None:
             return
         checkpoint = trio.lowlevel.checkpoint
         deadline = _monotonic() + TRIO_SPIN_S
-        while True:
-            await checkpoint()
-            reactor._end_streak()  # (the run's other tasks have had their turn)
-            if ev.query():
-                return
-            if reactor.pending or _monotonic() > deadline:
-                break
+        reactor.polling += 1  # (so the run's other awaiters go to the reactor)
+        try:
+            while True:
+                await checkpoint()
+                reactor._end_streak()  # (the run's other tasks have had their turn)
+                if ev.query():
+                    return
+                if reactor.pending or _monotonic() > deadline:
+                    break
+        finally:
+            reactor.polling -= 1
     try:
         await reactor.add(stream, ev).wait()
     finally:

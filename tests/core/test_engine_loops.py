@@ -194,3 +194,47 @@ async def test_an_event_failed_short_of_the_counter_wakes_its_awaiters(
             await checkpoint(anyio_backend)
             ev._finish(None, RuntimeError("failed"))
     assert raised == 5
+
+
+def _reactor(backend: object) -> object:
+    from asyncgpu._core import engine
+
+    if is_trio(backend):
+        import trio
+
+        return engine._trio_reactor(trio)
+    import asyncio
+
+    return engine.reactor_for(asyncio.get_running_loop())
+
+
+async def test_many_awaiters_wait_on_the_reactor_not_each_polling_alone(
+    anyio_backend: object,
+) -> None:
+    """Fifty tasks await unfinished work: at most one of them polls on its own
+    (a lone awaiter's spin, or under trio its polling at checkpoints); the
+    others wait on the reactor, which then wakes them all. (Were each to count
+    itself alone, a thousand tasks would each poll, and a trio batch of them
+    would keep the run's timers waiting for hundreds of milliseconds.)"""
+    s = RecordingStream()
+    evs = [s.submit() for _ in range(50)]
+    woke = 0
+    waiting = 0
+
+    async def wait(i: int) -> None:
+        nonlocal woke, waiting
+        waiting += 1
+        await evs[i]
+        woke += 1
+
+    reactor = _reactor(anyio_backend)
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            for i in range(50):
+                tg.start_soon(wait, i)
+            while waiting < 50:
+                await checkpoint(anyio_backend)
+            await checkpoint(anyio_backend)
+            assert len(reactor.pending.get(s, ())) >= 49  # type: ignore[attr-defined]
+            s.done = 50
+    assert woke == 50
