@@ -13,7 +13,7 @@
 # of that GPU kind's files there (benchmarks/results/README.md), and commit them.
 # The H200 image lacks some test dependencies; carry them as wheels (device tool: carry .whl,
 # and asyncgpu/_native.abi3.so built here by `pip install -e .`):
-#   ../shared/tools/device-wheels pytest-asyncio==1.5.0 trio==0.32.0 outcome==1.3.0.post0 sniffio==1.3.1
+#   ../shared/tools/device-wheels pytest-asyncio==1.5.0 trio==0.32.0 outcome==1.3.0.post0 sniffio==1.3.1 uvloop==0.22.1
 set -uo pipefail
 OUT=${OUT:-/tmp/asyncgpu-device-out}
 mkdir -p "$OUT"

@@ -329,6 +329,43 @@ def goal_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         True,
         "H2D+kernel+D2H",
     )
+    # Issue 45: every event loop at full speed (the CUDA section of bench_loops)
+    for loop in ("asyncio", "uvloop", "trio"):
+        row(
+            f"I45 {loop}: await / launch + cuStreamSynchronize",
+            _get(res, "loops_cuda", f"{loop}_latency_await_over_blocking"),
+            1.0,
+            False,
+            "median, empty kernel",
+        )
+        row(
+            f"I45 {loop}: await / naive cuEventQuery poll",
+            _get(res, "loops_cuda", f"{loop}_latency_await_over_naive_poll"),
+            None,
+            False,
+            "median, empty kernel (informational)",
+        )
+        row(
+            f"I45 {loop}: 1000 tasks x 10 awaits / host callback",
+            _get(res, "loops_cuda", f"{loop}_throughput_over_host_callback"),
+            4.0,
+            True,
+            "8 streams, cuLaunchHostFunc on the same loop",
+        )
+        row(
+            f"I45 {loop}: 1 ms ticker p99 lag (ms), 1000 tasks awaiting",
+            _get(res, "loops_cuda", f"{loop}_ticker_lag_p99_ms"),
+            1.0,
+            False,
+            "4 s of awaits",
+        )
+        row(
+            f"I45 {loop}: CPU while awaiting a 200 ms kernel",
+            _get(res, "loops_cuda", f"{loop}_idle_cpu_fraction_of_one_core"),
+            0.05,
+            False,
+            "process CPU time / wall, of one core",
+        )
     return rows
 
 
@@ -354,10 +391,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     import bench_cpu
+    import bench_loops
 
     steps: list[tuple[str, str, Callable[[], dict[str, Any]]]] = [
         ("cpu_functions", "cpu", lambda: bench_cpu.cpu_functions(a.quick)),
         ("host_copies", "cpu", lambda: bench_cpu.host_copies(a.quick)),
+        # every loop (asyncio, uvloop, trio) on the CPU device and on polled
+        # streams that follow the clock: CPU figures, never GPU ones
+        ("loops_cpu", "loops", lambda: bench_loops.section("cpu", a.quick)),
+        ("loops_emulated", "loops", lambda: bench_loops.section("emulated", a.quick)),
     ]
     results: list[H.CaseResult] = []
     env = H.environment_info(probe_gpu=a.device)
@@ -501,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
             ("engine_idle", "engine", lambda: bench_engine.idle(ctx, spin, 200.0)),
             ("engine_loops", "engine", lambda: bench_engine.loops(ctx, empty)),
+            ("loops_cuda", "loops", lambda: bench_loops.section("cuda", a.quick, ctx=ctx)),
             ("fast_launch", "fastpath", lambda: bench_fastpaths.launch(ctx, a.quick)),
             ("fast_copies", "fastpath", lambda: bench_fastpaths.copies(ctx, a.quick)),
             ("fast_alloc", "fastpath", lambda: bench_fastpaths.alloc(ctx, a.quick)),

@@ -19,6 +19,16 @@ from asyncgpu import Kernel, ThreadBlock
 TIMEOUT_S = 30.0
 
 
+#: CUDA source of the fault tests' kernels, which their child processes compile:
+#: ``trap`` (a sticky device fault) and ``spin(cycles)`` (busy for that many clock
+#: cycles).
+TRAP_AND_SPIN = r"""
+extern "C" __global__ void trap() { __trap(); }
+extern "C" __global__ void spin(long long c) {
+    long long t = clock64(); while (clock64() - t < c) {} }
+"""
+
+
 class Gate:
     """A CPU function that holds its stream until ``open()``.
 

@@ -8,9 +8,10 @@ placed where a completion can be waited for; see ``stream._PolledStream``), and
 events on one stream complete in submission order, so noticing completions
 costs one plain memory read per stream, whatever the number of pending events.
 
-Two pollers read those counters:
+Three pollers read those counters:
 
-* ``_Reactor``: one per asyncio event loop, a task on that loop. It polls every
+* ``_Reactor``: one per asyncio event loop (any loop with asyncio's public API,
+  uvloop included), a task on that loop. It polls every
   stream with pending awaits once per loop iteration while completions keep
   coming (``SPIN_S``), then parks on a timer (``PARK_S`` backing off to
   ``PARK_MAX_S``), so a long kernel costs almost no CPU. Wake-ups it causes happen
@@ -18,14 +19,16 @@ Two pollers read those counters:
   from the iterations before): no thread hop, no self-pipe write, and no loop
   iteration long enough to starve other tasks. With the extension each
   iteration's batch runs in one loop callback (``_wake_batch``) that finishes
-  each ``DirectFuture`` and runs its task's step at once; without it, plain
-  ``set_result`` calls.
-* ``_Watcher``: one thread per process, for everything that is not an asyncio
-  await (``add_done_callback``, trio awaits, CPU functions enqueued behind GPU
+  each ``DirectFuture`` and runs its task's step at once.
+* ``_TrioReactor``: the same polling for one trio run, a system task of that
+  run, waking its awaits through ``trio.Event`` as many per batch of trio's
+  runnable tasks as fit in ``ITERATION_S``.
+* ``_Watcher``: one thread per process, for everything that is not an await
+  (``add_done_callback``, CPU functions enqueued behind GPU
   work, sweeping finished work so that what it kept alive is released). It
   spins briefly, then sleeps with backoff, and stops when it has nothing to do.
 
-Both ask the stream for sticky device faults whenever they have been idle for
+All three ask the stream for sticky device faults whenever they have been idle for
 ``FAULT_CHECK_S`` and fail every pending event of the faulted context, so no
 await hangs after a fault.
 """
@@ -38,6 +41,7 @@ import contextlib
 import contextvars
 import heapq
 import operator
+import sys
 import threading
 import time
 import weakref
@@ -53,7 +57,7 @@ if TYPE_CHECKING:
     from .event import DeviceEvent
     from .protocols import PolledStream as _PolledStream
 
-__all__ = ["polled_future", "reactor_for", "watcher"]
+__all__ = ["polled_future", "reactor_for", "trio_wait", "watcher"]
 
 SPIN_S = 0.0005  # keep polling every loop iteration this long after the last progress
 PARK_S = 0.001  # then poll on a timer this often, backing off up to PARK_MAX_S
@@ -61,7 +65,10 @@ PARK_MAX_S = 0.008  # (a timer wake-up costs the OS and asyncio more CPU than a 
 FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
 WAKE_MIN = 8
 WAKE_MAX = 256
-INLINE_SPIN_S = 0.00003  # a lone awaiter spins inline this long before using the reactor
+INLINE_SPIN_S = 0.00003  # a lone asyncio awaiter spins inline this long before using the reactor
+# A lone trio awaiter polls at each checkpoint this long before using the reactor:
+# longer than INLINE_SPIN_S, as it yields to the run's other tasks at each poll.
+TRIO_SPIN_S = 0.0001
 
 
 # Futures a reactor completes per loop iteration: as many woken tasks as fit in
@@ -85,15 +92,19 @@ _first = operator.itemgetter(0)
 # -- asyncio reactor --------------------------------------------------------------
 
 
-class _Reactor:
-    """Polls the streams awaited from one asyncio loop.
+class _Poller:
+    """What a reactor of any event loop does: poll the streams awaited from that
+    loop and queue the wake-ups of the awaits whose events are done.
 
     The reactor owns its awaits: ``pending`` maps each stream to its awaits, a
-    deque of ``(seq, event, future)`` in sequence order, and the reactor alone
-    completes those futures, once the event is done. No waiter is registered on
-    the event, so whichever thread finishes the work (this reactor's retire, the
-    watcher's sweep, another thread's ``synchronize``, a fault), the tasks wake
-    in the order the reactor pops them: the stream's completion order."""
+    deque of ``(seq, event, waker)`` in sequence order, and the reactor alone
+    wakes them, once the event is done. No waiter is registered on the event,
+    so whichever thread finishes the work (this reactor's retire, the watcher's
+    sweep, another thread's ``synchronize``, a fault), the tasks wake in the
+    order the reactor pops them: the stream's completion order. A subclass
+    says how to yield to its loop (``_yield``), park (``_park``, ended early by
+    ``_unpark``), wake a batch of awaits (``_wake``) and be woken from another
+    thread (``_wake_from``)."""
 
     __slots__ = (
         "__weakref__",
@@ -101,65 +112,48 @@ class _Reactor:
         "deferred",
         "held_waits",
         "kicked",
-        "loop",
-        "park",
         "pending",
-        "task",
+        "polling",
+        "streak",
         "woke_at",
         "woken",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.pending: dict[_PolledStream, deque[tuple[int, DeviceEvent, asyncio.Future[Any]]]] = {}
-        self.park: asyncio.Future[Any] | None = None  # set while parked on a timer
-        # Futures of finished events, completed ``batch`` per iteration so that a
+    def __init__(self) -> None:
+        self.pending: dict[_PolledStream, deque[tuple[int, DeviceEvent, Any]]] = {}
+        # Wakers of finished events, woken ``batch`` per iteration so that a
         # burst of completions never makes one loop iteration long (loop lag).
-        self.deferred: deque[asyncio.Future[Any]] = deque()
+        self.deferred: deque[Any] = deque()
         self.batch = WAKE_MIN
-        self.woken = 0  # futures completed at ``woke_at``
+        self.woken = 0  # awaits woken at ``woke_at``
         self.woke_at = 0.0
-        self.task: asyncio.Task[None] | None = None
         self.kicked = False  # a new await ended the park: spin for SPIN_S again
         # (stream, seq) whose marker's hand-over to the driver will wake this
         # reactor (_behind_host_work)
         self.held_waits: set[tuple[_PolledStream, int]] = set()
+        self.streak = 0.0  # while inline spins go on without a yield: when they must stop
+        self.polling = 0  # awaiters polling at checkpoints, not yet pending here (trio)
 
-    def add(
-        self, stream: _PolledStream, ev: DeviceEvent, fut: asyncio.Future[Any] | None = None
-    ) -> asyncio.Future[Any]:
-        """A future (``fut``, else a new one) that this reactor completes once ``ev``
-        is done (on the loop's thread, the only one that calls it). The usual case,
-        an await behind the pending ones of a stream while the reactor runs, is
-        inline in ``polled_future``."""
-        if fut is None:
-            fut = _Future(loop=self.loop)
-        self._insert(stream, ev._seq, ev, fut)
-        if self.task is None:
-            self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
-        elif self.park is not None:
-            # Parked on a timer: poll now instead, and keep polling every
-            # iteration for SPIN_S, as after progress (else the reactor would
-            # park again at once, and work that takes longer than the await's
-            # inline spin would be seen only when the 1-8 ms timer fires).
-            self.kicked = True
-            _set_future(self.park)
-        return fut
+    def _arm(self) -> None:
+        """Make sure the streak ends once the loop has let its other tasks run
+        (asyncio: a callback that ends it, run by the loop's next pass)."""
+        raise NotImplementedError
 
-    def _insert(
-        self, stream: _PolledStream, seq: int, ev: DeviceEvent, fut: asyncio.Future[Any]
-    ) -> None:
+    def _end_streak(self) -> None:
+        self.streak = 0.0
+
+    def _insert(self, stream: _PolledStream, seq: int, ev: DeviceEvent, waker: Any) -> None:
         awaits = self.pending.get(stream)
         if awaits is None:
-            self.pending[stream] = deque(((seq, ev, fut),))
+            self.pending[stream] = deque(((seq, ev, waker),))
         elif awaits[-1][0] <= seq:
-            awaits.append((seq, ev, fut))
+            awaits.append((seq, ev, waker))
         else:  # an earlier operation awaited after a later one: keep the order
-            awaits.insert(bisect.bisect_right(awaits, seq, key=_first), (seq, ev, fut))
+            awaits.insert(bisect.bisect_right(awaits, seq, key=_first), (seq, ev, waker))
 
     def _poll_once(self) -> bool:
         """Retire every stream whose counter passed its first await, and queue the
-        futures of the awaits whose events are done, in order. An event can be
+        wakers of the awaits whose events are done, in order. An event can be
         done with the counter short of it (a fault failed it, its stream
         closed), or past it and not yet done (another thread's retire took it
         and is finishing it): only ``_done`` says the outcome is there."""
@@ -197,8 +191,8 @@ class _Reactor:
     def _behind_host_work(self) -> bool:
         """True when the first await of every pending stream waits for host work
         (a CPU function, a staged copy) that has not yet let its marker reach the
-        driver; each such stream then wakes this reactor, from the thread that
-        hands that marker over, through ``call_soon_threadsafe``.
+        driver; each such stream then wakes this reactor (``_wake_from``), from
+        the thread that hands that marker over.
 
         Polling every iteration cannot see that work finish sooner, and it keeps
         the GIL from the pool threads doing the work: a spinning loop takes the
@@ -220,15 +214,14 @@ class _Reactor:
         return True
 
     def _wake_from(self, key: tuple[_PolledStream, int]) -> None:
-        """From the thread that handed the driver the marker of ``key``."""
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to wake
-            self.loop.call_soon_threadsafe(self._woken_by, key)
+        """From the thread that handed the driver the marker of ``key``: run
+        ``_woken_by(key)`` on the reactor's loop."""
+        raise NotImplementedError
 
     def _woken_by(self, key: tuple[_PolledStream, int]) -> None:
         self.held_waits.discard(key)
         self.kicked = True
-        if self.park is not None:
-            _set_future(self.park)
+        self._unpark()
 
     def _check_faults(self) -> None:
         """Ask the driver whether a stream with pending awaits has faulted. A
@@ -240,10 +233,10 @@ class _Reactor:
             stream._check_fault()
 
     def _wake_some(self) -> None:
-        """Complete the next batch of queued futures. Called once per reactor
-        step, so once per loop iteration while there is work: the tasks woken
-        by the previous call have run since, and the time per woken task sizes
-        this batch."""
+        """Wake the next batch of queued awaits. Called once per reactor step,
+        so once per loop iteration while there is work: the tasks woken by the
+        previous call have run since, and the time per woken task sizes this
+        batch."""
         now = _monotonic()
         if self.woken:
             per_task = max((now - self.woke_at) / self.woken, 1e-7)
@@ -251,13 +244,33 @@ class _Reactor:
         d = self.deferred
         n = min(self.batch, len(d))
         popleft = d.popleft
-        self.loop.call_soon(_wake_batch, [popleft() for _ in range(n)])
+        self._wake([popleft() for _ in range(n)])
         self.woken = n
         self.woke_at = now
 
-    async def _run(self) -> None:
-        sleep = asyncio.sleep
-        loop = self.loop
+    def _wake(self, wakers: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _wake_now(self, waker: Any) -> None:
+        """Wake one await at once (the reactor is stopping)."""
+        raise NotImplementedError
+
+    async def _yield(self) -> None:
+        raise NotImplementedError
+
+    async def _park(self, seconds: float) -> None:
+        raise NotImplementedError
+
+    def _unpark(self) -> None:
+        raise NotImplementedError
+
+    async def _poll_loop(self) -> None:
+        """Poll every loop iteration while completions keep coming (``SPIN_S``
+        after the last), then park, longer the longer nothing has moved (at
+        most a tenth of the time since the last progress, so a 200 ms kernel
+        is noticed within ~8 ms, 4% of its time); a new await ends the park at
+        once. Returns when no await is left; whatever ends it, no waker is
+        left queued."""
         last = _monotonic()
         checked = last
         try:
@@ -268,42 +281,101 @@ class _Reactor:
                     moved = True
                 if moved:
                     last = checked = _monotonic()
-                    await sleep(0)
+                    await self._yield()
                     continue
                 now = _monotonic()
                 behind = self._behind_host_work()
                 if now - last < SPIN_S and not behind:
-                    await sleep(0)
+                    await self._yield()
                     continue
                 if now - checked >= FAULT_CHECK_S:
                     checked = now
                     self._check_faults()
                     if self._poll_once():  # failed, or finished while the driver was asked
                         last = _monotonic()
-                        await sleep(0)
+                        await self._yield()
                         continue
-                # Park on a timer, longer the longer nothing has moved (at most a
-                # tenth of the time since the last progress, so a 200 ms kernel
-                # is noticed within ~8 ms, 4% of its time); a new await
-                # (``add``) ends the park at once.
-                park = self.park = loop.create_future()
-                timer = loop.call_later(
-                    min(PARK_MAX_S, max(PARK_S, (now - last) / 10)), _set_future, park
-                )
-                try:
-                    await park
-                finally:
-                    self.park = None
-                    timer.cancel()
+                await self._park(min(PARK_MAX_S, max(PARK_S, (now - last) / 10)))
                 if self.kicked:
                     self.kicked = False
                     last = _monotonic()
         finally:
-            self.task = None
-            self.park = None
             d = self.deferred
             while d:  # never strand a waiter (cancelled, or its loop is closing)
-                _set_future(d.popleft())
+                self._wake_now(d.popleft())
+
+
+class _Reactor(_Poller):
+    """The poller of one asyncio loop (any ``asyncio.AbstractEventLoop``: it uses
+    ``call_soon``, ``call_later``, ``call_soon_threadsafe``, ``create_future``
+    and ``create_task`` alone), a task on that loop. Its wakers are the
+    awaits' futures (``DirectFuture``), a batch of which one loop callback
+    completes (``_wake_batch``)."""
+
+    __slots__ = ("loop", "park", "task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.loop = loop
+        self.park: asyncio.Future[Any] | None = None  # set while parked on a timer
+        self.task: asyncio.Task[None] | None = None
+
+    def add(
+        self, stream: _PolledStream, ev: DeviceEvent, fut: asyncio.Future[Any] | None = None
+    ) -> asyncio.Future[Any]:
+        """A future (``fut``, else a new one) that this reactor completes once ``ev``
+        is done (on the loop's thread, the only one that calls it). The usual case,
+        an await behind the pending ones of a stream while the reactor runs, is
+        inline in ``polled_future``."""
+        if fut is None:
+            fut = _Future(loop=self.loop)
+        self._insert(stream, ev._seq, ev, fut)
+        if self.task is None:
+            self.task = self.loop.create_task(self._run(), name="asyncgpu-reactor")
+        elif self.park is not None:
+            # Parked on a timer: poll now instead, and keep polling every
+            # iteration for SPIN_S, as after progress (else the reactor would
+            # park again at once, and work that takes longer than the await's
+            # inline spin would be seen only when the 1-8 ms timer fires).
+            self.kicked = True
+            _set_future(self.park)
+        return fut
+
+    def _wake_from(self, key: tuple[_PolledStream, int]) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is left to wake
+            self.loop.call_soon_threadsafe(self._woken_by, key)
+
+    def _arm(self) -> None:
+        self.loop.call_soon(self._end_streak)
+
+    def _wake(self, wakers: list[Any]) -> None:
+        self.loop.call_soon(_wake_batch, wakers)
+
+    def _wake_now(self, fut: Any) -> None:
+        _set_future(fut)
+
+    async def _yield(self) -> None:
+        await asyncio.sleep(0)
+
+    async def _park(self, seconds: float) -> None:
+        park = self.park = self.loop.create_future()
+        timer = self.loop.call_later(seconds, _set_future, park)
+        try:
+            await park
+        finally:
+            self.park = None
+            timer.cancel()
+
+    def _unpark(self) -> None:
+        if self.park is not None:
+            _set_future(self.park)
+
+    async def _run(self) -> None:
+        try:
+            await self._poll_loop()
+        finally:
+            self.task = None
+            self.park = None
 
 
 def _wake_batch(futs: list[Any]) -> None:
@@ -347,6 +419,45 @@ def reactor_for(loop: asyncio.AbstractEventLoop) -> _Reactor:
     return r
 
 
+def _lone(stream: _PolledStream, ev: DeviceEvent, reactor: _Poller) -> bool:
+    """Whether ``ev``'s awaiter is alone on its loop's reactor (no other await
+    pending or polling, no wake-up queued) and its work is in the driver's
+    hands (not held behind host work, whose end no spin can hasten)."""
+    return (
+        not reactor.pending
+        and not reactor.deferred
+        and not reactor.polling
+        and (stream._pending is None or stream._issued_mark >= ev._seq)
+    )
+
+
+def _spin(stream: _PolledStream, ev: DeviceEvent, reactor: _Poller) -> bool:
+    """Read ``stream``'s counter in a tight loop for at most ``INLINE_SPIN_S``:
+    True when ``ev`` is done by then.
+
+    An await that ends here never yields to the loop, so a task awaiting short
+    work again and again would keep every other task and timer of the loop
+    waiting. The spins of a *streak* (until the loop has let its other tasks
+    run, ``_arm``) so share ``ITERATION_S``, as
+    the reactor's wake-ups of one iteration do; past it the await goes through
+    the reactor, and so yields."""
+    now = _monotonic()
+    streak = reactor.streak
+    if not streak:
+        reactor.streak = now + ITERATION_S
+        reactor._arm()
+    elif now > streak:
+        return False
+    completed = stream._completed
+    seq = ev._seq
+    deadline = now + INLINE_SPIN_S
+    while completed() < seq:
+        if _monotonic() > deadline:
+            return False
+    stream._retire()
+    return ev._done  # type: ignore[no-any-return]
+
+
 def polled_future(
     stream: _PolledStream, ev: DeviceEvent, loop: asyncio.AbstractEventLoop
 ) -> asyncio.Future[Any] | None:
@@ -354,10 +465,14 @@ def polled_future(
     ``ev`` if none does yet, then a future the reactor completes, or None when
     the event finished during a brief inline spin.
 
-    The inline spin happens only for a lone awaiter (the reactor has nothing else
-    pending) while the loop has no other callback ready to run (the idle
-    reactor's own last step aside), so it delays no runnable task; it lasts at
-    most ``INLINE_SPIN_S``, about the time a short kernel takes to come back.
+    The inline spin happens only for a lone awaiter (the reactor has no other
+    await pending and no wake-up queued) whose work is in the driver's hands. It
+    lasts at most ``INLINE_SPIN_S``, about the time a short kernel takes to come
+    back, so another task ready meanwhile waits at most that long: a small part
+    of the reactor's own budget per loop iteration (``ITERATION_S``). It asks the
+    loop nothing: an asyncio loop's ready queue is private (``_ready``, which
+    uvloop does not have), and with many awaiters the reactor, not the spin,
+    wakes them, so the loop's other tasks keep their turn.
     """
     global _last
     if not stream._eager or ev._seq > stream._marked:
@@ -368,25 +483,8 @@ def polled_future(
     else:
         reactor = reactor_for(loop)
         _last = (loop, reactor)
-    # The loop's ready queue may hold the idle reactor's own next step (it runs
-    # once more after its last wake-up); anything else ready means no spin.
-    ready = getattr(loop, "_ready", None)
-    if (
-        ready is not None
-        and not reactor.pending
-        and len(ready) <= (reactor.task is not None and not reactor.deferred)
-        and (stream._pending is None or stream._issued_mark >= ev._seq)  # not behind host work
-    ):
-        completed = stream._completed
-        seq = ev._seq
-        deadline = _monotonic() + INLINE_SPIN_S
-        while completed() < seq:
-            if _monotonic() > deadline:
-                break
-        else:
-            stream._retire()
-            if ev._done:
-                return None
+    if _lone(stream, ev, reactor) and _spin(stream, ev, reactor):
+        return None
     # (``reactor.add``'s usual case, inline: the await's hot path)
     fut: asyncio.Future[Any] = _Future(loop=loop)
     awaits = reactor.pending.get(stream)
@@ -402,6 +500,128 @@ def polled_future(
 
 
 _last: tuple[Any, Any] = (None, None)
+
+
+# -- trio reactor ----------------------------------------------------------------------
+
+
+class _TrioReactor(_Poller):
+    """The poller of one trio run, a system task of that run, through trio's
+    public low-level API (``spawn_system_task``, ``checkpoint``,
+    ``current_trio_token``, ``RunVar``). Its wakers are ``trio.Event``: setting
+    one puts its task into trio's next batch of runnable tasks, so waking
+    ``batch`` of them per step bounds how long that batch runs, as
+    ``ITERATION_S`` bounds an asyncio loop iteration (trio fires a due timer
+    only between batches)."""
+
+    __slots__ = ("kick", "running", "token", "trio")
+
+    def __init__(self, trio: Any) -> None:
+        super().__init__()
+        self.trio = trio
+        self.token = trio.lowlevel.current_trio_token()
+        self.kick: Any = None  # a trio.Event while parked
+        self.running = False
+
+    def add(self, stream: _PolledStream, ev: DeviceEvent) -> Any:
+        """A ``trio.Event`` that this reactor sets once ``ev`` is done (from a task
+        of the run, the only place that calls it)."""
+        done = self.trio.Event()
+        self._insert(stream, ev._seq, ev, done)
+        if not self.running:
+            self.running = True
+            self.trio.lowlevel.spawn_system_task(self._poll_loop, name="asyncgpu-reactor")
+        elif self.kick is not None:
+            self.kicked = True  # as the asyncio reactor's add
+            self.kick.set()
+        return done
+
+    def _wake_from(self, key: tuple[_PolledStream, int]) -> None:
+        with contextlib.suppress(self.trio.RunFinishedError):  # the run is over
+            self.token.run_sync_soon(self._woken_by, key)
+
+    def _arm(self) -> None:
+        # Nothing to schedule: ``trio_wait`` ends the streak whenever an awaiter
+        # yields (a callback through the run's token would cost the run a
+        # wake-up of its own, and its next batch a task step, per streak).
+        pass
+
+    def _wake(self, wakers: list[Any]) -> None:
+        for done in wakers:
+            done.set()
+
+    def _wake_now(self, done: Any) -> None:
+        done.set()
+
+    async def _yield(self) -> None:
+        await self.trio.lowlevel.checkpoint()
+
+    async def _park(self, seconds: float) -> None:
+        kick = self.kick = self.trio.Event()
+        try:
+            with self.trio.move_on_after(seconds):
+                await kick.wait()
+        finally:
+            self.kick = None
+
+    def _unpark(self) -> None:
+        if self.kick is not None:
+            self.kick.set()
+
+    async def _poll_loop(self) -> None:
+        try:
+            await super()._poll_loop()
+        finally:
+            self.running = False
+            self.kick = None
+
+
+_trio_reactor_var: Any = None  # a trio.lowlevel.RunVar, made on the first trio await
+
+
+def _trio_reactor(trio: Any) -> _TrioReactor:
+    global _trio_reactor_var
+    var = _trio_reactor_var
+    if var is None:
+        var = _trio_reactor_var = trio.lowlevel.RunVar("asyncgpu_reactor")
+    try:
+        return var.get()  # type: ignore[no-any-return]
+    except LookupError:
+        r = _TrioReactor(trio)
+        var.set(r)
+        return r
+
+
+async def trio_wait(stream: _PolledStream, ev: DeviceEvent) -> None:
+    """The trio await of a polled stream (its ``_trio_wait``; the stream was asked
+    once already): a lone awaiter whose work is in the driver's hands spins as
+    an asyncio one does (``INLINE_SPIN_S``), then polls the stream at each
+    ``trio.lowlevel.checkpoint`` for ``TRIO_SPIN_S`` (other tasks run at each
+    one), then, as every other awaiter, waits on a
+    ``trio.Event`` that the run's reactor sets. Cancellable at every step
+    (a cancel scope, ``trio.move_on_after``); the work is never cancelled."""
+    trio = sys.modules["trio"]
+    reactor = _trio_reactor(trio)
+    if _lone(stream, ev, reactor):
+        if _spin(stream, ev, reactor):
+            return
+        checkpoint = trio.lowlevel.checkpoint
+        deadline = _monotonic() + TRIO_SPIN_S
+        reactor.polling += 1  # (so the run's other awaiters go to the reactor)
+        try:
+            while True:
+                await checkpoint()
+                reactor._end_streak()  # (the run's other tasks have had their turn)
+                if ev.query():
+                    return
+                if reactor.pending or _monotonic() > deadline:
+                    break
+        finally:
+            reactor.polling -= 1
+    try:
+        await reactor.add(stream, ev).wait()
+    finally:
+        reactor._end_streak()
 
 
 # -- the watcher thread -------------------------------------------------------------

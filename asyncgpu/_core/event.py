@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -304,21 +305,30 @@ def _loop_waiter(ev: DeviceEvent, loop: asyncio.AbstractEventLoop) -> _LoopWaite
 
 
 async def _await_other(ev: DeviceEvent) -> None:
-    """Await from a non-asyncio loop (trio), through anyio-compatible primitives."""
-    import sniffio
-
-    lib = sniffio.current_async_library()
-    if lib != "trio":
+    """Await outside asyncio: under trio, the stream's ``_trio_wait``."""
+    trio = sys.modules.get("trio")
+    try:
+        if trio is None:
+            raise RuntimeError
+        trio.lowlevel.current_task()  # (RuntimeError outside a trio task)
+    except RuntimeError:
         raise AsyncGPUError(
-            f"awaiting a DeviceEvent is supported under asyncio and trio, not {lib}"
-        )
-    import trio
+            "awaiting a DeviceEvent needs a running asyncio event loop (asyncio, uvloop, "
+            "anyio's asyncio backend) or trio in this thread"
+        ) from None
+    await ev._stream._trio_wait(ev)
 
+
+async def _trio_wait_pushed(ev: DeviceEvent) -> None:
+    """The trio await of a push-completed event (the CPU device): a ``trio.Event``
+    that the thread finishing the work sets through the run's token
+    (``TrioToken.run_sync_soon``, trio's public way in from another thread)."""
+    trio = sys.modules["trio"]
     token = trio.lowlevel.current_trio_token()
     done = trio.Event()
 
     def wake(_: DeviceEvent) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
+        with contextlib.suppress(trio.RunFinishedError):  # the run is over: nobody to wake
             token.run_sync_soon(done.set)
 
     ev.add_done_callback(wake)

@@ -30,7 +30,7 @@ from .._accel import native
 from .._errors import DeviceError, DeviceFaultError
 from . import engine as _engine
 from . import pool as _pool
-from .event import DeviceEvent, _loop_waiter, _UserEvent
+from .event import DeviceEvent, _loop_waiter, _trio_wait_pushed, _UserEvent
 
 if TYPE_CHECKING:
     import numpy as np
@@ -208,6 +208,10 @@ class _StreamImpl:
         w = _loop_waiter(ev, loop)
         return w.fut if w is not None else None
 
+    async def _trio_wait(self, ev: DeviceEvent) -> None:
+        """Under trio, wait until ``ev`` is done (the stream was asked once)."""
+        await _trio_wait_pushed(ev)
+
     def _elapsed_ms(self, start: DeviceEvent, end: DeviceEvent) -> float:
         t0 = start._timing
         t1 = end._timing
@@ -360,6 +364,8 @@ class _PolledStream(native.StreamCore, _StreamImpl):
     # The asyncio await (marker, brief inline spin, else the loop's reactor): the
     # engine's function itself, so the await's hot path has one call fewer.
     _future = _engine.polled_future
+    # The trio await (brief polling at checkpoints, else the run's reactor).
+    _trio_wait = _engine.trio_wait
 
     def _block(self, ev: DeviceEvent) -> None:
         self._need(ev, eager=False)

@@ -25,7 +25,7 @@ import anyio
 import numpy as np
 import pytest
 import trio
-from _kernels import ADD_ONE, TIMEOUT_S, Gate, blocks_for, poison, random_array
+from _kernels import ADD_ONE, TIMEOUT_S, TRAP_AND_SPIN, Gate, blocks_for, poison, random_array
 
 from asyncgpu import ContextClosedError, DeviceContext, DeviceEvent
 from asyncgpu._core import engine as _engine
@@ -659,11 +659,7 @@ FAULT_SCRIPT = textwrap.dedent(
     import numpy as np
     import asyncgpu as ag
 
-    SRC = r'''
-    extern "C" __global__ void trap() { __trap(); }
-    extern "C" __global__ void spin(long long c) {
-        long long t = clock64(); while (clock64() - t < c) {} }
-    '''
+    SRC = sys.argv[1]  # (tests/_kernels.py's TRAP_AND_SPIN)
     ctx = ag.DeviceContext(api="cuda")
     trap = ctx.compile_function(SRC, "trap")
     spin = ctx.compile_function(SRC, "spin")
@@ -736,7 +732,11 @@ def test_a_device_fault_fails_every_pending_awaiter_within_a_second(tmp_path: Pa
     script.write_text(FAULT_SCRIPT)
     env = dict(os.environ, ASYNCGPU_DISABLE_HEALTHCHECK="1")
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, str(script), TRAP_AND_SPIN],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     print(proc.stdout, proc.stderr)
     assert proc.returncode == 0, proc.stdout + proc.stderr
