@@ -795,7 +795,7 @@ static PyType_Spec event_spec = {
  * Python call: through their bound methods, threading.RLock's acquire parses
  * its arguments on every call, and cost a launch two fifths of a microsecond
  * on the development machine. A stream's submit, retire and marker locks are
- * RLocks where the extension is built. Blocking acquires release the GIL and
+ * these RLocks. Blocking acquires release the GIL and
  * wake for signals, as threading's do.
  *
  * Every acquire and release runs with the GIL held (the lock is never taken
@@ -1751,8 +1751,7 @@ static PyType_Spec future_spec = {
 };
 
 /* ---------------------------------------------------------------------------------
- * The await of a DeviceEvent (EventCore's am_await; _event.py's _await_event is
- * the same in Python, where the extension is not built): a finished event ends
+ * The await of a DeviceEvent (EventCore's am_await): a finished event ends
  * the await at once; else the stream is polled once; else, under a running
  * asyncio loop, the stream's _future(event, loop) gives the future to wait on,
  * and a DirectFuture is itself the await's iterator (it ends with the event's
@@ -2156,7 +2155,7 @@ static int lock_markers(StreamCore *s, Held *h) {
 /* Release _marker_lock, keeping an exception already set. */
 static int unlock_markers(Held *h) { return unhold(h); }
 
-/* CudaStream._query_copy_marks in C: under _marker_lock, retire the marker events
+/* Counter completion's marker events: under _marker_lock, retire the marker events
  * (_copy_marks, in order) that the counter has passed or that cuEventQuery says
  * finished into done_seq; their events go back to _free_events. */
 static int query_marks(StreamCore *s, long long counter) {
@@ -2284,30 +2283,32 @@ static int record_marker(StreamCore *s, long long seq) {
 }
 
 /* _PolledStream._completed: the highest sequence number known to have finished.
- * With _counter_in_c (a CudaStream, its counter in host-mapped memory at caddr):
- * read here from the counter when only the counter matters (counter completion,
- * no copy marker events outstanding), else from the stream's _completed_slow().
- * Without it (streams of tests, or no counter): the stream's own _completed(). */
+ * With _counter_in_c (a CudaStream, its counter in host-mapped memory at caddr)
+ * and counter completion: read here from the counter and, while marker events
+ * after copies are outstanding, from cuEventQuery (query_marks); with event
+ * completion (_events), the stream's _completed_slow(). Without _counter_in_c
+ * (streams of tests, or no counter): the stream's own _completed(). */
 static int completed(StreamCore *s, long long *out) {
     PyObject *r;
-    if (s->counter_in_c) {
-        if (s->caddr && is_none(s->events)) {
-            Py_ssize_t marks = s->copy_marks == NULL ? 0 : PyObject_Size(s->copy_marks);
-            long long c;
-            if (marks < 0)
-                return -1;
-            c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
-            if (marks > 0 && p_query != NULL && query_marks(s, c))
-                return -1;
-            if (marks == 0 || p_query != NULL) {
-                *out = s->done_seq > c ? s->done_seq : c;
-                return 0;
-            }
+    if (s->counter_in_c && is_none(s->events)) {
+        Py_ssize_t marks = s->copy_marks == NULL ? 0 : PyObject_Size(s->copy_marks);
+        long long c;
+        if (marks < 0)
+            return -1;
+        if (!s->caddr || (marks > 0 && p_query == NULL)) {
+            PyErr_SetString(PyExc_RuntimeError, s->caddr
+                                                     ? "asyncgpu._native is not bound to cuEventQuery"
+                                                     : "asyncgpu: the stream has no counter");
+            return -1;
         }
-        r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed_slow, NULL);
-    } else {
-        r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed, NULL);
+        c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
+        if (marks > 0 && query_marks(s, c))
+            return -1;
+        *out = s->done_seq > c ? s->done_seq : c;
+        return 0;
     }
+    r = PyObject_CallMethodObjArgs((PyObject *)s, s->counter_in_c ? s_completed_slow : s_completed,
+                                   NULL);
     if (r == NULL)
         return -1;
     *out = PyLong_AsLongLong(r);
@@ -3633,7 +3634,7 @@ static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t
     return ev;
 }
 
-/* DeviceContext.enqueue_function, where the extension is built. */
+/* DeviceContext.enqueue_function (its general path: _enqueue_function). */
 static PyObject *context_enqueue_function(PyObject *self, PyObject *const *args, Py_ssize_t n,
                                           PyObject *kwnames) {
     PyObject *ev = function_fast((ContextCore *)self, args, n, kwnames);
@@ -3784,7 +3785,7 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
     return (PyObject *)b;
 }
 
-/* DeviceContext.enqueue_create_buffer, where the extension is built. */
+/* DeviceContext.enqueue_create_buffer (its general path: _enqueue_create_buffer). */
 static PyObject *context_enqueue_create_buffer(PyObject *self, PyObject *const *args,
                                                Py_ssize_t n, PyObject *kwnames) {
     if (n == 2 && kwnames == NULL) {

@@ -16,10 +16,9 @@ Two pollers read those counters:
   ``PARK_MAX_S``), so a long kernel costs almost no CPU. Wake-ups it causes happen
   on its own loop, as many per iteration as fit in ``ITERATION_S`` (measured
   from the iterations before): no thread hop, no self-pipe write, and no loop
-  iteration long enough to starve other tasks. With the extension each
-  iteration's batch runs in one loop callback (``_wake_batch``) that finishes
-  each ``DirectFuture`` and runs its task's step at once; without it, plain
-  ``set_result`` calls.
+  iteration long enough to starve other tasks. Each iteration's batch runs in
+  one loop callback (``_wake_batch``) that finishes each ``DirectFuture`` (the
+  extension's future) and runs its task's step at once.
 * ``_Watcher``: one thread per process, for everything that is not an asyncio
   await (``add_done_callback``, trio awaits, CPU functions enqueued behind GPU
   work, sweeping finished work so that what it kept alive is released). It

@@ -523,12 +523,17 @@ def test_the_counter_is_read_in_c_and_marker_events_queried_there(
     assert stream.s._completed_fast() == 8 and stream.s._free_events == [0xE8]
 
 
-def test_without_cuEventQuery_marker_events_are_asked_of_completed_slow(stream: Stream) -> None:
+def test_marker_events_without_cuEventQuery_are_an_error_not_a_guess(stream: Stream) -> None:
+    stream.s._copy_marks.append((8, 0xE8))
+    with bound_stand_in(events=False), pytest.raises(RuntimeError, match="cuEventQuery"):
+        stream.s._completed_fast()
+
+
+def test_event_completion_is_asked_of_completed_slow(stream: Stream) -> None:
     asked: list[int] = []
     stream.s._completed_slow = lambda: asked.append(1) or 9
-    stream.s._copy_marks.append((8, 0xE8))
-    with bound_stand_in(events=False):
-        assert stream.s._completed_fast() == 9 and asked == [1]
+    stream.s._events = deque()  # ASYNCGPU_COMPLETION=event: every marker a driver event
+    assert stream.s._completed_fast() == 9 and asked == [1]
 
 
 @pytest.mark.parametrize("why", ["fast", "constant memory", "no plan", "no dimensions"])

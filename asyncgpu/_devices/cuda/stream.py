@@ -295,20 +295,19 @@ class CudaStream(_PolledStream):
 
     if not TYPE_CHECKING:
         # The compiled completion (``_counter_in_c``): the counter read in C, and
-        # the marker events after copies queried there; it asks
-        # ``_completed_slow`` only for what the counter cannot say. Chosen here,
-        # for every stream of the class, not per stream.
+        # the marker events after copies queried there; with event completion it
+        # asks ``_completed_slow``. Chosen here, for every stream of the class,
+        # not per stream.
         _completed = _accel.native.StreamCore._completed_fast
 
     def _completed_slow(self) -> int:
-        """What the compiled ``_completed`` asks for when the counter cannot say:
-        with event completion (``_events``), the last marker event that finished
-        (``cuEventQuery``, under ``_marker_lock``), whose events are reused; with
-        counter completion, ``_completed_counter`` (asked only where the driver's
-        ``cuEventQuery`` is not bound to the extension)."""
+        """What the compiled ``_completed`` asks for with event completion
+        (``_events``): the last marker event that finished (``cuEventQuery``, under
+        ``_marker_lock``, without waiting), whose events are reused. Counter
+        completion, with the marker events after copies, is read in C."""
         ms = self._events
         if ms is None:
-            return self._completed_counter()
+            raise RuntimeError("asyncgpu: counter completion is read in the extension")
         if ms:
             with self._marker_lock:
                 if ms:
@@ -323,30 +322,6 @@ class CudaStream(_PolledStream):
                             self._done_seq = seq
                             self._free_events.append(e)
         return self._done_seq
-
-    def _completed_counter(self) -> int:
-        """Counter completion as the compiled ``_completed`` reads it (the counter,
-        and the marker events after copies, ``_query_copy_marks``), in Python: what
-        it asks for only where ``cuEventQuery`` is not bound, which
-        ``backend._bind_native`` never leaves so. (Left as the copy-marker rules'
-        Python statement, which tests/devices/test_cuda_logic.py checks on a fake
-        driver; C's ``query_marks`` is the one a bound stream runs.)"""
-        c = self._counter.value
-        if self._copy_marks:
-            self._query_copy_marks(c)
-        d = self._done_seq
-        return d if d > c else c
-
-    def _query_copy_marks(self, counter: int) -> None:
-        """Retire the copy markers that finished (in order), or that the counter
-        has passed, into ``_done_seq``; their events are reused."""
-        ms = self._copy_marks
-        with self._marker_lock:
-            while ms and (ms[0][0] <= counter or cu.cuEventQuery(ms[0][1])[0] == _SUCCESS):
-                seq, e = ms.popleft()
-                if seq > self._done_seq:
-                    self._done_seq = seq
-                self._free_events.append(e)
 
     def _device_wait_for(self, waiter: Any, seq: int) -> None:
         """Make the stream ``waiter`` wait, on the device, until this stream has
