@@ -38,7 +38,8 @@ from .._errors import CompileError, DeviceError, UnsupportedError
 from .._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
 if TYPE_CHECKING:
-    from .._core.protocols import ContextView as DeviceContext
+    from .._core.memory import ContextView as DeviceContext
+    from .._core.protocols import LaunchedFunction
     from .._core.state import _ContextState
     from .._types import ConstantMemoryMapping, LaunchAttribute
 
@@ -221,7 +222,7 @@ class CpuStream(_StreamImpl):
 
     def launch(
         self,
-        fn: DeviceFunction,
+        fn: LaunchedFunction,
         args: tuple[Any, ...],
         cfg: Any,
         constant_memory: Sequence[ConstantMemoryMapping],

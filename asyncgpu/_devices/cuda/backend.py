@@ -60,7 +60,7 @@ from .memory import (
 from .stream import CudaStream
 
 if TYPE_CHECKING:
-    from ..._core.protocols import ContextView as DeviceContext
+    from ..._core.memory import ContextView as DeviceContext
     from ..._core.state import _ContextState
     from ..._types import ConstantMemoryMapping, FuncAttribute, LaunchAttribute
 
