@@ -424,9 +424,9 @@ def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> Non
 
 class _PythonDriver:
     """The driver calls the Python side of the markers makes (``cuda.bindings``'
-    spelling): events made and recorded, waits placed. A recorded event is an int
-    handle the extension's ``cuEventQuery`` (the stand-in driver's) is asked about;
-    it finishes when the test adds it to the stand-in's ``finished``."""
+    spelling): events made, waits placed. An event is an int handle that the
+    extension records and queries on the stand-in driver (``c``); it finishes when
+    the test adds it to the stand-in's ``finished``."""
 
     class CUevent_flags:  # the driver's spelling
         CU_EVENT_DISABLE_TIMING = 2
@@ -439,10 +439,6 @@ class _PythonDriver:
     def cuEventCreate(self, flags: int) -> tuple[object, int]:
         self.created.append(0xE0 + len(self.created))
         return _driver._SUCCESS, self.created[-1]
-
-    def cuEventRecord(self, event: int, stream: object) -> tuple[object]:
-        self.c.finished.discard(event)  # recorded again: not finished
-        return (_driver._SUCCESS,)
 
     def cuStreamWaitEvent(self, stream: object, event: int, flags: int) -> tuple[object]:
         self.waits.append(("event", event))
@@ -457,8 +453,9 @@ class _PythonDriver:
 def marked(monkeypatch):
     """A CudaStream's marker bookkeeping without a GPU: its Python driver calls
     on ``_PythonDriver``, the extension bound to the stand-in driver (whose
-    ``cuEventQuery`` the compiled completion, ``_completed``, asks), the counter
-    in ordinary memory. ``written`` lists the counter markers."""
+    ``cuEventRecord`` records the marker events and whose ``cuEventQuery`` the
+    compiled completion, ``_completed``, asks), the counter in ordinary memory.
+    ``written`` lists the counter markers."""
     with bound_stand_in(events=True) as c:
         driver = _PythonDriver(c)
         monkeypatch.setattr(_stream, "cu", driver)
@@ -468,7 +465,7 @@ def marked(monkeypatch):
         s._copy_marks, s._free_events = _stream.deque(), []
         s._marker_lock = threading.Lock()
         s._counter = ctypes.c_uint64(0)
-        s.raw, s.caddr = "stream", ctypes.addressof(s._counter)
+        s.h, s.caddr = 0x5EA, ctypes.addressof(s._counter)
         s._counter_in_c = True
         s.backend = type("B", (), {"current": 0})()
         s.backend.make_current = lambda: setattr(s.backend, "current", s.backend.current + 1)
@@ -486,7 +483,7 @@ def _submit(s, copy: bool) -> int:
 def test_a_marker_after_a_kernel_writes_the_counter_and_after_a_copy_records_an_event(
     marked,
 ) -> None:
-    s, _, written = marked
+    s, driver, written = marked
     kernel = _submit(s, copy=False)
     s._place_marker()
     copy = _submit(s, copy=True)
@@ -495,7 +492,8 @@ def test_a_marker_after_a_kernel_writes_the_counter_and_after_a_copy_records_an_
     s._place_marker(counter=True)  # what a foreign stream's counter wait needs
 
     assert written == [kernel, forced]
-    assert [seq for seq, _ in s._copy_marks] == [copy]
+    assert driver.c.records == [(0xE0, 0x5EA)]  # the copy's event, recorded on the stream
+    assert s._copy_marks == _stream.deque([(copy, 0xE0)])
     assert s._counter_mark == forced and s._marked == s._issued_mark == forced
 
 

@@ -199,7 +199,7 @@ class CudaStream(_PolledStream):
         self._after_copy = False  # the last operation submitted was a copy or memset
         self._counter_mark = 0  # the last sequence number a counter marker covers
         # Event completion (ASYNCGPU_COMPLETION=event): every marker is a driver
-        # event, (seq, CUevent) in order, and _completed_slow reads them.
+        # event, (seq, CUevent) in order, which the compiled _completed queries.
         self._events: deque[tuple[int, Any]] | None = (
             deque() if backend.completion == "event" else None
         )
@@ -230,15 +230,16 @@ class CudaStream(_PolledStream):
 
     # -- the hot path ------------------------------------------------------------------
 
-    def _mark(self, keep: Any) -> DeviceEvent:
-        """The event of the operation just submitted (call with ``_submit_lock``
-        held, after ``_before_submit`` and the driver call)."""
-        seq = self._seq = self._seq + 1
-        ev = DeviceEvent(self, seq, keep)
-        self._inflight.append(ev)
-        if self._eager:
-            self._place_marker()
-        return ev
+    if TYPE_CHECKING:
+
+        def _mark(self, keep: Any) -> DeviceEvent:
+            """The event of the operation just submitted, keeping ``keep`` alive
+            (call with ``_submit_lock`` held, after ``_before_submit`` and the
+            driver call); the marker too when the stream is eager."""
+            ...
+    else:
+        # The compiled one, which the compiled copy runs too.
+        _mark = _accel.native.StreamCore._mark_c
 
     # -- markers: a counter the GPU writes, or driver events -----------------------------
 
@@ -262,20 +263,16 @@ class CudaStream(_PolledStream):
         self._marked = seq
 
     def _issue_marker(self, seq: int, event: bool) -> None:
+        """Hand the marker for ``seq`` to the driver: the counter write
+        (``cuStreamWriteValue64``), or a driver event recorded in C
+        (``StreamCore._record_marker_c``: ``cuEventRecord``, under
+        ``_marker_lock``). Both enqueue and return."""
         if not event:
             err = self._write_marker(seq)
             if err:
                 raise _error(err, "cuStreamWriteValue64")
         else:
-            marks = self._events if self._events is not None else self._copy_marks
-            with self._marker_lock:
-                free = self._free_events
-                e = free.pop() if free else self._new_marker_event()
-                err = cu.cuEventRecord(e, self.raw)[0]
-                if err != _SUCCESS:
-                    free.append(e)
-                    raise _error(err, "cuEventRecord")
-                marks.append((seq, e))
+            self._record_marker_c(seq)
         self._issued_mark = seq
 
     def _new_marker_event(self) -> Any:
@@ -295,33 +292,10 @@ class CudaStream(_PolledStream):
 
     if not TYPE_CHECKING:
         # The compiled completion (``_counter_in_c``): the counter read in C, and
-        # the marker events after copies queried there; with event completion it
-        # asks ``_completed_slow``. Chosen here, for every stream of the class,
-        # not per stream.
+        # the marker events (after copies; every one with event completion)
+        # queried there (``cuEventQuery``, under ``_marker_lock``; their events
+        # are reused). Chosen here, for every stream of the class, not per stream.
         _completed = _accel.native.StreamCore._completed_fast
-
-    def _completed_slow(self) -> int:
-        """What the compiled ``_completed`` asks for with event completion
-        (``_events``): the last marker event that finished (``cuEventQuery``, under
-        ``_marker_lock``, without waiting), whose events are reused. Counter
-        completion, with the marker events after copies, is read in C."""
-        ms = self._events
-        if ms is None:
-            raise RuntimeError("asyncgpu: counter completion is read in the extension")
-        if ms:
-            with self._marker_lock:
-                if ms:
-                    seq, e = ms[-1]
-                    if cu.cuEventQuery(e)[0] == _SUCCESS:
-                        self._done_seq = seq
-                        self._free_events.extend(x[1] for x in ms)
-                        ms.clear()
-                    else:
-                        while ms and cu.cuEventQuery(ms[0][1])[0] == _SUCCESS:
-                            seq, e = ms.popleft()
-                            self._done_seq = seq
-                            self._free_events.append(e)
-        return self._done_seq
 
     def _device_wait_for(self, waiter: Any, seq: int) -> None:
         """Make the stream ``waiter`` wait, on the device, until this stream has
@@ -345,20 +319,10 @@ class CudaStream(_PolledStream):
                     return
         _check(cu.cuStreamWaitValue64(waiter, self.caddr, seq, _GEQ), "cuStreamWaitValue64")
 
-    def _prune(self) -> None:
-        """Retire what has finished (releasing what it kept alive) and have the
-        watcher sweep this stream later."""
-        inflight = self._inflight
-        # Counters cost a memory read; driver events a query, so check those rarely.
-        if (
-            inflight
-            and (self._events is None or len(inflight) >= 64)
-            and inflight[0]._seq <= self._completed()
-        ):
-            self._retire()
-        if not self._touched:
-            self._touched = True
-            watcher.sweep_later(self)
+    # Retire what has finished (releasing what it kept alive) and have the watcher
+    # sweep this stream later: the compiled prune, which the compiled launch and
+    # copy run too.
+    _prune = _accel.native.StreamCore._prune_c
 
     # ``launch`` (the seam's, ``_StreamImpl.launch``) is the compiled launch,
     # ``StreamCore._launch_c``: with a plain geometry, no constant memory and the
