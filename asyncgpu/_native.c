@@ -795,7 +795,7 @@ static PyType_Spec event_spec = {
  * Python call: through their bound methods, threading.RLock's acquire parses
  * its arguments on every call, and cost a launch two fifths of a microsecond
  * on the development machine. A stream's submit, retire and marker locks are
- * RLocks where the extension is built. Blocking acquires release the GIL and
+ * these RLocks. Blocking acquires release the GIL and
  * wake for signals, as threading's do.
  *
  * Every acquire and release runs with the GIL held (the lock is never taken
@@ -1751,8 +1751,7 @@ static PyType_Spec future_spec = {
 };
 
 /* ---------------------------------------------------------------------------------
- * The await of a DeviceEvent (EventCore's am_await; _event.py's _await_event is
- * the same in Python, where the extension is not built): a finished event ends
+ * The await of a DeviceEvent (EventCore's am_await): a finished event ends
  * the await at once; else the stream is polled once; else, under a running
  * asyncio loop, the stream's _future(event, loop) gives the future to wait on,
  * and a DirectFuture is itself the await's iterator (it ends with the event's
@@ -1866,7 +1865,7 @@ static PyTypeObject *stream_core_type = NULL;
 static PyObject *sweep_later = NULL; /* the watcher's sweep_later, set by configure() */
 static long long mark_every = 32;
 static PyObject *s_place_marker, *s_retire, *s_completed, *s_acquire,
-    *s_release, *s_append, *s_popleft, *s_finish_retired, *s_completed_slow, *s_need, *s_impl, *s_last,
+    *s_release, *s_append, *s_popleft, *s_finish_retired, *s_need, *s_impl, *s_last,
     *s_dims, *s_handle, *s_launch_general, *s_new_marker_event, *s_types, *s_codes, *s_addr, *s_pointers;
 
 static PyMemberDef stream_members[] = {
@@ -1980,6 +1979,9 @@ static PyObject *stream_completed_fast(PyObject *self, PyObject *unused);
 static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *stream_before_submit(PyObject *self, PyObject *unused);
+static PyObject *stream_prune_method(PyObject *self, PyObject *unused);
+static PyObject *stream_record_marker_method(PyObject *self, PyObject *arg);
+static PyObject *stream_mark_method(PyObject *self, PyObject *keep);
 
 static PyMethodDef stream_methods[] = {
     {"_launch_c", (PyCFunction)(void (*)(void))stream_launch_method, METH_FASTCALL,
@@ -1998,6 +2000,15 @@ static PyMethodDef stream_methods[] = {
     {"_before_submit", stream_before_submit, METH_NOARGS,
      "Under _submit_lock, before a new operation is submitted: the marker rules "
      "(_PolledStream._before_submit's docstring)."},
+    {"_mark_c", stream_mark_method, METH_O,
+     "_mark_c(keep) -> DeviceEvent: the event of the operation just submitted, under "
+     "the submit lock (a CudaStream's _mark)."},
+    {"_prune_c", stream_prune_method, METH_NOARGS,
+     "Retire what has finished and have the watcher sweep the stream later "
+     "(a CudaStream's _prune)."},
+    {"_record_marker_c", stream_record_marker_method, METH_O,
+     "_record_marker_c(seq): a marker for operation seq as a recorded driver event "
+     "(cuEventRecord), appended to _events, or else to _copy_marks."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2156,54 +2167,97 @@ static int lock_markers(StreamCore *s, Held *h) {
 /* Release _marker_lock, keeping an exception already set. */
 static int unlock_markers(Held *h) { return unhold(h); }
 
-/* CudaStream._query_copy_marks in C: under _marker_lock, retire the marker events
- * (_copy_marks, in order) that the counter has passed or that cuEventQuery says
- * finished into done_seq; their events go back to _free_events. */
-static int query_marks(StreamCore *s, long long counter) {
+/* The (seq, event) of a marker event (event borrowed), or -1 with an exception. */
+static int mark_parts(PyObject *mark, long long *seq, PyObject **e) {
+    if (!PyTuple_Check(mark) || PyTuple_Size(mark) != 2) {
+        PyErr_SetString(PyExc_TypeError, "asyncgpu: a marker is (seq, event)");
+        return -1;
+    }
+    *seq = PyLong_AsLongLong(PyTuple_GetItem(mark, 0));
+    *e = PyTuple_GetItem(mark, 1);
+    return *seq == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* 1 when cuEventQuery says the marker event e finished, 0 when not, -1 on error. */
+static int mark_finished(PyObject *e) {
+    unsigned long long h;
+    if (event_handle(e, &h))
+        return -1;
+    return p_query((void *)(uintptr_t)h) == 0;
+}
+
+/* With the newest marker event of `marks` finished, every one has (stream
+ * order): all their events go back to _free_events, the queue is emptied and
+ * done_seq is the newest's. 1 when so, 0 when the newest has not finished, -1
+ * on error. */
+static int take_all_marks(StreamCore *s, PyObject *marks, Py_ssize_t n) {
+    PyObject *tail = PySequence_GetItem(marks, n - 1), *e, *r;
+    long long seq;
+    Py_ssize_t i;
+    int finished;
+    if (tail == NULL)
+        return -1;
+    finished = mark_parts(tail, &seq, &e) ? -1 : mark_finished(e);
+    Py_DECREF(tail);
+    if (finished <= 0)
+        return finished;
+    for (i = 0; i < n; i++) {
+        PyObject *mark = PySequence_GetItem(marks, i);
+        long long si;
+        int bad = mark == NULL || mark_parts(mark, &si, &e) || PyList_Append(s->free_events, e);
+        Py_XDECREF(mark);
+        if (bad)
+            return -1;
+    }
+    r = PyObject_CallMethod(marks, "clear", NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    if (seq > s->done_seq)
+        s->done_seq = seq;
+    return 1;
+}
+
+/* Under _marker_lock, retire the marker events of `marks` (in order: _copy_marks
+ * with counter completion, _events with event completion) that the counter has
+ * passed (counter completion; 0 with event completion) or that cuEventQuery says
+ * finished, into done_seq; their events go back to _free_events, to be recorded
+ * again. With event completion, where every marker is an event and many may be
+ * outstanding, the newest is asked first (take_all_marks). */
+static int query_marks(StreamCore *s, PyObject *marks, long long counter, int newest_first) {
     Held mh;
     int rc = 0;
     if (lock_markers(s, &mh))
         return -1;
-    if (cache_methods(s->copy_marks, &s->marks_of, &s->marks_popleft, NULL, s_popleft, NULL)) {
+    if (cache_methods(marks, &s->marks_of, &s->marks_popleft, NULL, s_popleft, NULL)) {
         unlock_markers(&mh);
         return -1;
+    }
+    if (newest_first) {
+        Py_ssize_t n = PyObject_Size(marks);
+        rc = n < 0 ? -1 : n == 0 ? 1 : take_all_marks(s, marks, n);
+        if (rc != 0)
+            return unlock_markers(&mh) || rc < 0 ? -1 : 0;
     }
     for (;;) {
         PyObject *head, *e, *r;
         long long seq;
-        unsigned long long h;
         int finished;
-        Py_ssize_t n = PyObject_Size(s->copy_marks);
+        Py_ssize_t n = PyObject_Size(marks);
         if (n <= 0) {
             rc = n < 0 ? -1 : 0;
             break;
         }
-        head = PySequence_GetItem(s->copy_marks, 0);
-        if (head == NULL || !PyTuple_Check(head) || PyTuple_Size(head) != 2) {
-            if (head != NULL)
-                PyErr_SetString(PyExc_TypeError, "asyncgpu: a marker is (seq, event)");
+        head = PySequence_GetItem(marks, 0);
+        if (head == NULL || mark_parts(head, &seq, &e)) {
             Py_XDECREF(head);
             rc = -1;
             break;
         }
-        seq = PyLong_AsLongLong(PyTuple_GetItem(head, 0));
-        e = PyTuple_GetItem(head, 1);
-        if (seq == -1 && PyErr_Occurred()) {
+        finished = seq <= counter ? 1 : mark_finished(e);
+        if (finished <= 0) {
             Py_DECREF(head);
-            rc = -1;
-            break;
-        }
-        finished = seq <= counter;
-        if (!finished) {
-            if (event_handle(e, &h)) {
-                Py_DECREF(head);
-                rc = -1;
-                break;
-            }
-            finished = p_query((void *)(uintptr_t)h) == 0;
-        }
-        if (!finished) {
-            Py_DECREF(head);
+            rc = finished;
             break;
         }
         r = PyObject_CallNoArgs(s->marks_popleft);
@@ -2222,12 +2276,13 @@ static int query_marks(StreamCore *s, long long counter) {
     return rc;
 }
 
-/* The marker right after an eager launch, as a driver event (cuEventRecord costs
- * the host a third of cuStreamWriteValue64): under _marker_lock, a free event
- * (or a new one, _new_marker_event) recorded on the stream, appended to
- * _copy_marks as (seq, event). */
+/* A marker as a driver event: the one right after an eager launch
+ * (cuEventRecord costs the host a third of cuStreamWriteValue64), after a copy or
+ * memset, and every marker with event completion. Under _marker_lock, a free
+ * event (or a new one, _new_marker_event) recorded on the stream, appended as
+ * (seq, event) to _events (event completion), else to _copy_marks. */
 static int record_marker(StreamCore *s, long long seq) {
-    PyObject *e = NULL, *mark;
+    PyObject *e = NULL, *mark, *marks = is_none(s->events) ? s->copy_marks : s->events;
     Held mh;
     Py_ssize_t n;
     unsigned long long h;
@@ -2269,12 +2324,13 @@ static int record_marker(StreamCore *s, long long seq) {
     mark = Py_BuildValue("(LN)", seq, e); /* takes the reference to e */
     if (mark == NULL)
         return unlock_markers(&mh), -1;
-    if (cache_methods(s->copy_marks, &s->marks_of, &s->marks_popleft, NULL, s_popleft, NULL)) {
+    if (marks == NULL) {
         Py_DECREF(mark);
+        PyErr_SetString(PyExc_RuntimeError, "asyncgpu: the stream is not initialised");
         return unlock_markers(&mh), -1;
     }
     {
-        PyObject *r = PyObject_CallMethodObjArgs(s->copy_marks, s_append, mark, NULL);
+        PyObject *r = PyObject_CallMethodObjArgs(marks, s_append, mark, NULL);
         Py_DECREF(mark);
         if (r == NULL)
             return unlock_markers(&mh), -1;
@@ -2283,36 +2339,59 @@ static int record_marker(StreamCore *s, long long seq) {
     return unlock_markers(&mh);
 }
 
-/* _PolledStream._completed: the highest sequence number known to have finished.
- * With _counter_in_c (a CudaStream, its counter in host-mapped memory at caddr):
- * read here from the counter when only the counter matters (counter completion,
- * no copy marker events outstanding), else from the stream's _completed_slow().
- * Without it (streams of tests, or no counter): the stream's own _completed(). */
-static int completed(StreamCore *s, long long *out) {
-    PyObject *r;
-    if (s->counter_in_c) {
-        if (s->caddr && is_none(s->events)) {
-            Py_ssize_t marks = s->copy_marks == NULL ? 0 : PyObject_Size(s->copy_marks);
-            long long c;
-            if (marks < 0)
-                return -1;
-            c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
-            if (marks > 0 && p_query != NULL && query_marks(s, c))
-                return -1;
-            if (marks == 0 || p_query != NULL) {
-                *out = s->done_seq > c ? s->done_seq : c;
-                return 0;
-            }
-        }
-        r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed_slow, NULL);
-    } else {
-        r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed, NULL);
+/* _record_marker_c(seq): record_marker above, for the markers placed in Python. */
+static PyObject *stream_record_marker_method(PyObject *self, PyObject *arg) {
+    long long seq = PyLong_AsLongLong(arg);
+    if (seq == -1 && PyErr_Occurred())
+        return NULL;
+    if (p_record == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncgpu._native is not bound to cuEventRecord");
+        return NULL;
     }
-    if (r == NULL)
+    if (record_marker((StreamCore *)self, seq))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _PolledStream._completed: the highest sequence number known to have finished.
+ * With _counter_in_c (a CudaStream): with counter completion, read from its
+ * counter in host-mapped memory at caddr and, while marker events after copies
+ * are outstanding, from cuEventQuery; with event completion (_events), from
+ * cuEventQuery alone (query_marks). Without it (streams of tests, or no
+ * counter): the stream's own _completed(). */
+static int completed(StreamCore *s, long long *out) {
+    PyObject *r, *marks;
+    Py_ssize_t n;
+    long long c = 0;
+    if (!s->counter_in_c) {
+        r = PyObject_CallMethodObjArgs((PyObject *)s, s_completed, NULL);
+        if (r == NULL)
+            return -1;
+        *out = PyLong_AsLongLong(r);
+        Py_DECREF(r);
+        return *out == -1 && PyErr_Occurred() ? -1 : 0;
+    }
+    marks = is_none(s->events) ? s->copy_marks : s->events;
+    n = marks == NULL ? 0 : PyObject_Size(marks);
+    if (n < 0)
         return -1;
-    *out = PyLong_AsLongLong(r);
-    Py_DECREF(r);
-    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+    if (is_none(s->events)) {
+        if (!s->caddr) {
+            PyErr_SetString(PyExc_RuntimeError, "asyncgpu: the stream has no counter");
+            return -1;
+        }
+        c = (long long)*(volatile unsigned long long *)(uintptr_t)s->caddr;
+    }
+    if (n > 0) {
+        if (p_query == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "asyncgpu._native is not bound to cuEventQuery");
+            return -1;
+        }
+        if (query_marks(s, marks, c, !is_none(s->events)))
+            return -1;
+    }
+    *out = s->done_seq > c ? s->done_seq : c;
+    return 0;
 }
 
 /* _completed_fast() -> int: completed() above, for a CudaStream's _completed. */
@@ -2493,8 +2572,10 @@ static PyObject *stream_poll(PyObject *self, PyObject *o) {
     return PyBool_FromLong(ev->done);
 }
 
-/* CudaStream._prune: retire what the counter says has finished, and have the
- * watcher sweep the stream later. */
+/* CudaStream._prune: retire what the markers say has finished (driver events,
+ * with event completion, are asked only once 64 operations are in flight: a
+ * counter costs a memory read, an event a query), and have the watcher sweep
+ * the stream later. */
 static int prune(StreamCore *s) {
     Py_ssize_t n = inflight_len(s);
     if (n < 0)
@@ -2526,6 +2607,13 @@ static int prune(StreamCore *s) {
         }
     }
     return 0;
+}
+
+/* _prune_c(): prune above, for a CudaStream's submissions made in Python. */
+static PyObject *stream_prune_method(PyObject *self, PyObject *unused) {
+    if (prune((StreamCore *)self))
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 /* The data and pointer-array addresses of a _ParamMemory. */
@@ -2591,6 +2679,37 @@ static PyObject *new_inflight_event(StreamCore *s, long long seq, PyObject *keep
         Py_DECREF(o);
     }
     return ev;
+}
+
+/* CudaStream._mark: the event of the operation just submitted (under the submit
+ * lock, after before_submit and the driver call): the next sequence number, a
+ * new event keeping `keep` alive in the in-flight queue, and the marker when
+ * the stream is eager (_place_marker). */
+static PyObject *mark_submitted(StreamCore *s, PyObject *keep) {
+    long long seq = s->seq + 1;
+    PyObject *ev;
+    s->seq = seq;
+    ev = new_inflight_event(s, seq, keep);
+    if (ev == NULL)
+        return NULL;
+    if (s->eager && call_method0((PyObject *)s, s_place_marker)) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    return ev;
+}
+
+/* _mark_c(keep): mark_submitted above, for the submissions made in Python. */
+static PyObject *stream_mark_method(PyObject *self, PyObject *keep) {
+    StreamCore *s = (StreamCore *)self;
+    if (event_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncgpu._native: configure() was not called");
+        return NULL;
+    }
+    if (!is_queue(s->inflight) &&
+        cache_methods(s->inflight, &s->deque_of, &s->append, NULL, s_append, NULL))
+        return NULL;
+    return mark_submitted(s, keep);
 }
 
 /* The launch proper, under the stream's submit lock: a new event, None (the
@@ -2827,8 +2946,6 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
  * stream is held: the Python path queues the copy), or NULL with an exception. */
 static PyObject *copy_locked(StreamCore *s, unsigned long long dst, unsigned long long src,
                              unsigned long long nbytes, PyObject *keep) {
-    PyObject *ev;
-    long long seq;
     int err = 0;
     if (!is_none(s->pending))
         Py_RETURN_NONE; /* held behind host work */
@@ -2852,16 +2969,7 @@ static PyObject *copy_locked(StreamCore *s, unsigned long long dst, unsigned lon
         }
         s->after_copy = 1; /* its marker is a driver event (_place_marker) */
     }
-    seq = s->seq + 1;
-    s->seq = seq;
-    ev = new_inflight_event(s, seq, keep);
-    if (ev == NULL)
-        return NULL;
-    if (s->eager && call_method0((PyObject *)s, s_place_marker)) {
-        Py_DECREF(ev);
-        return NULL;
-    }
-    return ev;
+    return mark_submitted(s, keep);
 }
 
 /* StreamCore._copy_c(dst, src, nbytes, keep) -> DeviceEvent, or None.
@@ -3633,7 +3741,7 @@ static PyObject *function_fast(ContextCore *c, PyObject *const *args, Py_ssize_t
     return ev;
 }
 
-/* DeviceContext.enqueue_function, where the extension is built. */
+/* DeviceContext.enqueue_function (its general path: _enqueue_function). */
 static PyObject *context_enqueue_function(PyObject *self, PyObject *const *args, Py_ssize_t n,
                                           PyObject *kwnames) {
     PyObject *ev = function_fast((ContextCore *)self, args, n, kwnames);
@@ -3784,7 +3892,7 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
     return (PyObject *)b;
 }
 
-/* DeviceContext.enqueue_create_buffer, where the extension is built. */
+/* DeviceContext.enqueue_create_buffer (its general path: _enqueue_create_buffer). */
 static PyObject *context_enqueue_create_buffer(PyObject *self, PyObject *const *args,
                                                Py_ssize_t n, PyObject *kwnames) {
     if (n == 2 && kwnames == NULL) {
@@ -4075,7 +4183,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_append = intern("append");
     s_popleft = intern("popleft");
     s_finish_retired = intern("_finish_retired");
-    s_completed_slow = intern("_completed_slow");
     s_need = intern("_need");
     s_impl = intern("_impl");
     s_last = intern("last");
@@ -4113,7 +4220,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     dtype_cache = PyDict_New();
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
         !s_backend || !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
-        !s_finish_retired || !s_completed_slow || !s_need || !s_impl || !s_last ||
+        !s_finish_retired || !s_need || !s_impl || !s_last ||
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
         !s_trace_end ||
         !s_codes || !s_addr || !s_pointers || !s_release_memory || !s_open || !s_trace ||

@@ -343,7 +343,7 @@ async def _task_burst_ms(n: int) -> float:
 def _bare_launches_ms(ctx: ag.DeviceContext, empty: ag.DeviceFunction, n: int) -> float | None:
     """Milliseconds that ``n`` launches of ``empty`` take through the bare C entry
     point (``_native.launch``: the driver call, no event), back to back on stream
-    0; None without the extension or on the CPU device."""
+    0; None on the CPU device or before the driver is bound."""
     from asyncgpu._devices.cuda import driver as _driver
 
     native = getattr(_driver, "_native", None) if ctx.api() == "cuda" else None

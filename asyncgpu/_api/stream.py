@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, Protocol
 
 from .._core.event import DeviceEvent, _UserEvent
-from .._core.protocols import ContextView
+from .._core.memory import ContextView
 from .._core.stream import _StreamImpl
 
 __all__ = ["DeviceStream"]
+
+
+class _StreamContext(ContextView, Protocol):
+    """A ``DeviceContext`` as its streams use it (``context``, the module that
+    defines it, imports this one)."""
+
+    def _view(self, impl: _StreamImpl) -> _StreamContext: ...
+
+    # (``other``: what the context's own method checks, a DeviceContext,
+    # DeviceStream or DeviceEvent; DeviceContext cannot be named here.)
+    def enqueue_wait_for(self, other: Any) -> DeviceEvent: ...
+
+    # (``DeviceContext.enqueue_function``, whose arguments the stream passes on as
+    # they come.)
+    @property
+    def enqueue_function(self) -> Callable[..., DeviceEvent]: ...
 
 
 class DeviceStream:
@@ -21,11 +37,11 @@ class DeviceStream:
 
     __slots__ = ("_ctx", "_impl")
 
-    def __init__(self, ctx: ContextView, impl: _StreamImpl) -> None:
+    def __init__(self, ctx: _StreamContext, impl: _StreamImpl) -> None:
         self._ctx = ctx
         self._impl = impl
 
-    def context(self) -> ContextView:
+    def context(self) -> _StreamContext:
         """A view of the owning context bound to this stream."""
         return self._ctx._view(self._impl)
 

@@ -17,9 +17,9 @@ Three pollers read those counters:
   ``PARK_MAX_S``), so a long kernel costs almost no CPU. Wake-ups it causes happen
   on its own loop, as many per iteration as fit in ``ITERATION_S`` (measured
   from the iterations before): no thread hop, no self-pipe write, and no loop
-  iteration long enough to starve other tasks. With the extension each
-  iteration's batch runs in one loop callback (``_wake_batch``) that finishes
-  each ``DirectFuture`` and runs its task's step at once.
+  iteration long enough to starve other tasks. Each iteration's batch runs in
+  one loop callback (``_wake_batch``) that finishes each ``DirectFuture`` (the
+  extension's future) and runs its task's step at once.
 * ``_TrioReactor``: the same polling for one trio run, a system task of that
   run, waking its awaits through ``trio.Event`` as many per batch of trio's
   runnable tasks as fit in ``ITERATION_S``.

@@ -24,8 +24,7 @@ from .dlpack import (
     kDLCUDAManaged,
 )
 from .event import DeviceEvent
-from .memory import DeviceBuffer, HostBuffer, _BufferBase, _Span
-from .protocols import ContextView
+from .memory import ContextView, DeviceBuffer, HostBuffer, _BufferBase, _Span
 from .stream import _StreamImpl
 
 __all__ = ["launch_done", "launch_streams", "operand", "wrap_cai", "wrap_dlpack"]
@@ -201,7 +200,7 @@ def wrap_dlpack(obj: Any, ctx: ContextView) -> DeviceBuffer | HostBuffer:
     if dev_type in (kDLCPU, kDLCUDAHost):
         # Host memory: NumPy consumes the capsule (and keeps it alive as the array's
         # base); the array is then wrapped.
-        return _wrap_host_array(ctx, np.from_dlpack(obj))  # type: ignore[no-any-return]
+        return _wrap_host_array(ctx, np.from_dlpack(obj))
     if dev_type not in (kDLCUDA, kDLCUDAManaged):
         raise BufferError(f"DLPack device type {dev_type} is not supported")
     _check_cuda_ctx(ctx, dev_id if dev_type == kDLCUDA else None, type(obj).__name__)
@@ -217,7 +216,7 @@ def wrap_dlpack(obj: Any, ctx: ContextView) -> DeviceBuffer | HostBuffer:
     # of the stream's asyncgpu order, so copies on other streams see it too.
     _fence(impl)
     alloc = _ForeignAlloc(ptr, owner, None, readonly)
-    return _wrap(ctx, DeviceBuffer, alloc, dtype, n, impl)  # type: ignore[no-any-return]
+    return _wrap(ctx, DeviceBuffer, alloc, dtype, n, impl)
 
 
 def wrap_cai(
@@ -230,7 +229,7 @@ def wrap_cai(
     impl = ctx._impl
     if _after_producer(impl, producer_stream(obj, cai)):
         _fence(impl)  # so that copies on other streams order after the wait too
-    return _wrap(ctx, DeviceBuffer, _ForeignAlloc(ptr, obj, None, readonly), dtype, n, impl)  # type: ignore[no-any-return]
+    return _wrap(ctx, DeviceBuffer, _ForeignAlloc(ptr, obj, None, readonly), dtype, n, impl)
 
 
 def operand(ctx: ContextView, obj: Any, writable: bool) -> Any:

@@ -27,7 +27,7 @@ from .._accel import native
 from .._types import DeviceAttribute, Dim, check_int
 
 if TYPE_CHECKING:
-    from .protocols import ContextView
+    from .memory import ContextView
 
 __all__ = [
     "DeviceExternalFunction",

@@ -14,7 +14,7 @@ the host can touch the memory, else ``None``) and ``_kind``.
 from __future__ import annotations
 
 import atexit
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -25,11 +25,51 @@ from .dlpack import array_interface, dlpack_device, export_dlpack, host_array
 from .pool import host_work
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
+    from .._types import DeviceAttribute
     from .event import DeviceEvent
-    from .protocols import ContextView
+    from .protocols import ContextState
     from .stream import _StreamImpl
 
-__all__ = ["DeviceBuffer", "HostBuffer", "as_dtype", "pin_allocations", "unpin_allocations"]
+__all__ = [
+    "ContextView",
+    "DeviceBuffer",
+    "HostBuffer",
+    "as_dtype",
+    "pin_allocations",
+    "unpin_allocations",
+]
+
+
+class ContextView(Protocol):
+    """A ``DeviceContext`` (the public face's, a layer above): a view of one
+    context's shared state bound to a current stream, as the buffers and
+    functions it made keep it and the operand checks read it."""
+
+    @property
+    def _state(self) -> ContextState: ...
+
+    @property
+    def _impl(self) -> _StreamImpl: ...
+
+    def _check_open(self) -> None: ...
+
+    def _view(self, impl: _StreamImpl) -> ContextView: ...
+
+    def synchronize(self) -> None: ...
+
+    def get_attribute(self, attr: DeviceAttribute) -> int: ...
+
+    def enqueue_copy(
+        self, dst: Any, src: Any, size: int | None = None, *, dtype: Any = None
+    ) -> DeviceEvent: ...
+
+    def enqueue_memset(self, dst: DeviceBuffer | HostBuffer, val: Any) -> DeviceEvent: ...
+
+    def enqueue_create_host_buffer(self, dtype: Any, size: int) -> HostBuffer: ...
+
+    def __await__(self) -> Generator[Any, None, None]: ...
 
 
 _DTYPES: dict[Any, np.dtype[Any]] = {}  # dtype specifications seen, and what they are

@@ -14,8 +14,16 @@ import numpy as np
 
 from .._errors import ContextClosedError
 from .foreign import operand as foreign_operand
-from .memory import DeviceBuffer, HostBuffer, _BufferBase, _Pointer, _Span, as_dtype, check_size
-from .protocols import ContextView
+from .memory import (
+    ContextView,
+    DeviceBuffer,
+    HostBuffer,
+    _BufferBase,
+    _Pointer,
+    _Span,
+    as_dtype,
+    check_size,
+)
 
 __all__ = ["check_writable", "copy_operands"]
 

@@ -1,20 +1,24 @@
 """The types the core sees of what lies above and below it.
 
 The core never imports a device or the public face: where it needs to name one
-in a hint, it names one of these protocols instead. ``Backend`` is what a device
-module provides for one device (``_devices`` picks the class); ``ContextView`` is
-what a buffer or function keeps of the ``DeviceContext`` that made it.
+in a hint, it names one of these protocols instead, and so does a module of the
+core that names one above it. ``Backend`` is what a device module provides for
+one device (``_devices`` picks the class); ``ContextState`` is what a buffer or
+function reads of its context's shared state; ``LaunchedFunction`` is a function
+as the stream seam launches it; ``PolledStream`` is a stream as the completion
+engine polls it. (``memory.ContextView``, what a buffer or function keeps of the
+``DeviceContext`` that made it, names the buffers, so it lives with them.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from .._types import DeviceAttribute, Dim, GPUInfo, LaunchAttribute, StreamPriorityRange
 
-__all__ = ["Backend", "ContextView", "PolledStream"]
+__all__ = ["Backend", "ContextState", "LaunchedFunction", "PolledStream"]
 
 
 class Backend(Protocol):
@@ -92,35 +96,30 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-class ContextView(Protocol):
-    """A ``DeviceContext``: a view of one context's shared state bound to a
-    current stream."""
+class ContextState(Protocol):
+    """What buffers, functions and operand checks read of a context's shared
+    state (``state._ContextState``, a module above theirs)."""
 
     @property
-    def _state(self) -> Any: ...
+    def api(self) -> str: ...
+    @property
+    def device_id(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def backend(self) -> Backend: ...
+    def describe(self) -> str: ...
 
+
+class LaunchedFunction(Protocol):
+    """A function as a stream launches it (``function.DeviceFunction``, a module
+    above the streams): its name, and its device's compiled code (a Python
+    callable on the CPU device, a loaded kernel on CUDA)."""
+
+    @property
+    def name(self) -> str: ...
     @property
     def _impl(self) -> Any: ...
-
-    def _check_open(self) -> None: ...
-
-    def _view(self, impl: Any) -> Any: ...
-
-    def synchronize(self) -> None: ...
-
-    def get_attribute(self, attr: DeviceAttribute) -> int: ...
-
-    def enqueue_copy(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def enqueue_memset(self, dst: Any, value: Any) -> Any: ...
-
-    def enqueue_create_host_buffer(self, dtype: Any, size: int) -> Any: ...
-
-    def enqueue_wait_for(self, other: Any) -> Any: ...
-
-    def enqueue_function(self, f: Any, *args: Any, **launch: Any) -> Any: ...
-
-    def __await__(self) -> Generator[Any, None, None]: ...
 
 
 class PolledStream(Protocol):

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from .._types import ConstantMemoryMapping
-    from .function import DeviceFunction
+    from .protocols import LaunchedFunction
 
 __all__ = ["_HostResult", "_PolledStream", "_StreamImpl"]
 
@@ -121,7 +121,7 @@ class _StreamImpl:
 
     def launch(
         self,
-        fn: DeviceFunction,
+        fn: LaunchedFunction,
         args: tuple[Any, ...],
         cfg: Any,
         constant_memory: Sequence[ConstantMemoryMapping],

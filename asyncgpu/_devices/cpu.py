@@ -40,7 +40,8 @@ from .._errors import CompileError, DeviceError, UnsupportedError
 from .._types import DeviceAttribute, Dim, GPUInfo, LaunchAttributeID, StreamPriorityRange
 
 if TYPE_CHECKING:
-    from .._core.protocols import ContextView as DeviceContext
+    from .._core.memory import ContextView as DeviceContext
+    from .._core.protocols import LaunchedFunction
     from .._core.state import _ContextState
     from .._types import ConstantMemoryMapping, LaunchAttribute
 
@@ -217,7 +218,7 @@ class CpuStream(_StreamImpl):
 
     def launch(
         self,
-        fn: DeviceFunction,
+        fn: LaunchedFunction,
         args: tuple[Any, ...],
         cfg: Any,
         constant_memory: Sequence[ConstantMemoryMapping],
@@ -344,7 +345,7 @@ def _node_work(node: DeviceGraphNode) -> tuple[int, Any]:
 
 
 def _kernel_work(
-    fn: DeviceFunction, args: tuple[Any, ...], cfg: Any
+    fn: LaunchedFunction, args: tuple[Any, ...], cfg: Any
 ) -> tuple[int, Callable[[int, int], None]]:
     """A CPU kernel launch, checked (what CUDA would refuse is refused here too)
     and ready to run: its block count and ``work(lo, hi)``, which runs blocks

@@ -254,8 +254,8 @@ def test_a_buffer_that_cannot_be_used_is_refused_at_the_launch(
 ) -> None:
     """The CPU device used to hand a kernel a taken buffer's memory, or a closed
     context's, as a NumPy view (and failed, if at all, at the await). Both launch
-    paths are checked: the general one (a Kernel) and, where the extension is
-    built, the C fast path (a DeviceFunction with a geometry seen before)."""
+    paths are checked: the general one (a Kernel) and the C fast path (a
+    DeviceFunction with a geometry seen before)."""
     f = ctx.compile_function(ADD_ONE)
     ok = ctx.enqueue_create_buffer(np.int32, 4)
     ok.enqueue_fill(0)

@@ -14,6 +14,8 @@ _backend = pytest.importorskip(
 )
 
 
+from _stand_in_driver import Driver, bound_stand_in  # noqa: E402
+
 from asyncgpu import DeviceError, _config  # noqa: E402
 from asyncgpu._devices.cuda import driver as _driver  # noqa: E402
 from asyncgpu._devices.cuda import launch as _launch  # noqa: E402
@@ -420,29 +422,25 @@ def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> Non
 # is a recorded driver event, and other streams wait on that event, not on the counter.
 
 
-class _FakeDriver:
-    """The driver calls the markers make, recorded; events finish when told to."""
+class _PythonDriver:
+    """The driver calls the Python side of the markers makes (``cuda.bindings``'
+    spelling): events made, waits placed. An event is an int handle that the
+    extension records and queries on the stand-in driver (``c``); it finishes when
+    the test adds it to the stand-in's ``finished``."""
 
     class CUevent_flags:  # the driver's spelling
         CU_EVENT_DISABLE_TIMING = 2
 
-    def __init__(self) -> None:
-        self.created: list[str] = []
-        self.finished: set[str] = set()
+    def __init__(self, c: Driver) -> None:
+        self.c = c
+        self.created: list[int] = []
         self.waits: list[tuple[str, object]] = []
 
-    def cuEventCreate(self, flags: int) -> tuple[object, str]:
-        self.created.append(f"event{len(self.created)}")
+    def cuEventCreate(self, flags: int) -> tuple[object, int]:
+        self.created.append(0xE0 + len(self.created))
         return _driver._SUCCESS, self.created[-1]
 
-    def cuEventRecord(self, event: str, stream: object) -> tuple[object]:
-        self.finished.discard(event)  # recorded again: not finished
-        return (_driver._SUCCESS,)
-
-    def cuEventQuery(self, event: str) -> tuple[object]:
-        return (_driver._SUCCESS if event in self.finished else _driver._NOT_READY,)
-
-    def cuStreamWaitEvent(self, stream: object, event: str, flags: int) -> tuple[object]:
+    def cuStreamWaitEvent(self, stream: object, event: int, flags: int) -> tuple[object]:
         self.waits.append(("event", event))
         return (_driver._SUCCESS,)
 
@@ -453,22 +451,27 @@ class _FakeDriver:
 
 @pytest.fixture
 def marked(monkeypatch):
-    """A CudaStream's marker bookkeeping on a fake driver: ``written`` lists the
-    counter markers, ``driver`` the rest."""
-    driver = _FakeDriver()
-    monkeypatch.setattr(_stream, "cu", driver)
-    s = _stream.CudaStream.__new__(_stream.CudaStream)
-    s._seq = s._marked = s._issued_mark = s._counter_mark = s._done_seq = 0
-    s._events, s._pending, s._after_copy = None, None, False
-    s._copy_marks, s._free_events = _stream.deque(), []
-    s._marker_lock = threading.Lock()
-    s._counter = ctypes.c_uint64(0)
-    s.raw, s.caddr = "stream", 0x1000
-    s.backend = type("B", (), {"current": 0})()
-    s.backend.make_current = lambda: setattr(s.backend, "current", s.backend.current + 1)
-    written: list[int] = []
-    s._write_marker = lambda seq: written.append(seq) or 0
-    return s, driver, written
+    """A CudaStream's marker bookkeeping without a GPU: its Python driver calls
+    on ``_PythonDriver``, the extension bound to the stand-in driver (whose
+    ``cuEventRecord`` records the marker events and whose ``cuEventQuery`` the
+    compiled completion, ``_completed``, asks), the counter in ordinary memory.
+    ``written`` lists the counter markers."""
+    with bound_stand_in(events=True) as c:
+        driver = _PythonDriver(c)
+        monkeypatch.setattr(_stream, "cu", driver)
+        s = _stream.CudaStream.__new__(_stream.CudaStream)
+        s._seq = s._marked = s._issued_mark = s._counter_mark = s._done_seq = 0
+        s._events, s._pending, s._after_copy = None, None, False
+        s._copy_marks, s._free_events = _stream.deque(), []
+        s._marker_lock = threading.Lock()
+        s._counter = ctypes.c_uint64(0)
+        s.h, s.caddr = 0x5EA, ctypes.addressof(s._counter)
+        s._counter_in_c = True
+        s.backend = type("B", (), {"current": 0})()
+        s.backend.make_current = lambda: setattr(s.backend, "current", s.backend.current + 1)
+        written: list[int] = []
+        s._write_marker = lambda seq: written.append(seq) or 0
+        yield s, driver, written
 
 
 def _submit(s, copy: bool) -> int:
@@ -480,7 +483,7 @@ def _submit(s, copy: bool) -> int:
 def test_a_marker_after_a_kernel_writes_the_counter_and_after_a_copy_records_an_event(
     marked,
 ) -> None:
-    s, _, written = marked
+    s, driver, written = marked
     kernel = _submit(s, copy=False)
     s._place_marker()
     copy = _submit(s, copy=True)
@@ -489,7 +492,8 @@ def test_a_marker_after_a_kernel_writes_the_counter_and_after_a_copy_records_an_
     s._place_marker(counter=True)  # what a foreign stream's counter wait needs
 
     assert written == [kernel, forced]
-    assert [seq for seq, _ in s._copy_marks] == [copy]
+    assert driver.c.records == [(0xE0, 0x5EA)]  # the copy's event, recorded on the stream
+    assert s._copy_marks == _stream.deque([(copy, 0xE0)])
     assert s._counter_mark == forced and s._marked == s._issued_mark == forced
 
 
@@ -501,19 +505,19 @@ def test_a_finished_copy_marker_counts_even_after_its_event_is_reused(marked) ->
     copy = _submit(s, copy=True)
     s._place_marker()
 
-    assert s._completed_counter() == 1  # the copy's event has not finished
-    driver.finished.add(driver.created[0])
-    assert s._completed_counter() == copy
+    assert s._completed() == 1  # the copy's event has not finished
+    driver.c.finished.add(driver.created[0])
+    assert s._completed() == copy
     assert not s._copy_marks and s._free_events == [driver.created[0]]
-    assert s._completed_counter() == copy  # the counter still says 1; the event said more
+    assert s._completed() == copy  # the counter still says 1; the event said more
 
     assert s.backend.current == 1  # made current before creating (the watcher places some)
     again = _submit(s, copy=True)
     s._place_marker()
-    assert driver.created == ["event0"]  # reused, not created again
-    assert s._completed_counter() == copy  # recorded again: not finished
+    assert driver.created == [0xE0]  # reused, not created again
+    assert s._completed() == copy  # recorded again: not finished
     s._counter.value = again  # a later counter marker passed it: taken back unqueried
-    assert s._completed_counter() == again and not s._copy_marks
+    assert s._completed() == again and not s._copy_marks
 
 
 def test_other_streams_wait_on_the_marker_event_else_on_the_counter(marked) -> None:
@@ -525,10 +529,10 @@ def test_other_streams_wait_on_the_marker_event_else_on_the_counter(marked) -> N
 
     s._device_wait_for("other", copy)
     s._device_wait_for("other", kernel)  # its own counter marker comes first
-    assert driver.waits == [("event", "event0"), ("counter", kernel)]
+    assert driver.waits == [("event", 0xE0), ("counter", kernel)]
 
-    driver.finished.add("event0")
-    s._completed_counter()  # the event finished and went back to the free list
+    driver.c.finished.add(0xE0)
+    s._completed()  # the event finished and went back to the free list
     driver.waits.clear()
     s._device_wait_for("other", copy)
     assert driver.waits == []  # finished: nothing to wait for
@@ -548,8 +552,8 @@ def test_a_wait_for_a_finished_copy_never_waits_on_a_counter_marker_held_back(ma
     s, driver, written = marked
     copy = _submit(s, copy=True)
     s._place_marker()
-    driver.finished.add("event0")
-    s._completed_counter()
+    driver.c.finished.add(0xE0)
+    s._completed()
     s._pending = _stream.deque()  # held behind host work from here on
     _submit(s, copy=False)
     s._place_marker()

@@ -500,6 +500,23 @@ def test_a_traced_kernel_retired_in_c_has_its_trace_end_before_it_is_done(
     assert ev._keep is None
 
 
+def test_an_operation_submitted_in_python_gets_its_event_from_mark(
+    stream: Stream, driver: Driver
+) -> None:
+    """``_mark`` (the compiled ``_mark_c``), after the general path's driver call:
+    the next sequence number, an event keeping what the operation uses, queued in
+    flight; a marker too while the stream is eager."""
+    s = stream.s
+    kept = object()
+    ev = s._mark(kept)
+    assert type(ev) is DeviceEvent and (ev._seq, ev._keep, ev._stream) == (1, kept, s)
+    assert list(s._inflight) == [ev] and markers(driver) == []
+    placed: list[bool] = []
+    s._place_marker = lambda counter=False: placed.append(counter)
+    s._eager = True
+    assert s._mark(None)._seq == 2 and placed == [False]
+
+
 def test_polling_an_unmarked_event_marks_it_and_retires_it_once_passed(
     stream: Stream, driver: Driver
 ) -> None:
@@ -523,12 +540,43 @@ def test_the_counter_is_read_in_c_and_marker_events_queried_there(
     assert stream.s._completed_fast() == 8 and stream.s._free_events == [0xE8]
 
 
-def test_without_cuEventQuery_marker_events_are_asked_of_completed_slow(stream: Stream) -> None:
-    asked: list[int] = []
-    stream.s._completed_slow = lambda: asked.append(1) or 9
+def test_marker_events_without_cuEventQuery_are_an_error_not_a_guess(stream: Stream) -> None:
     stream.s._copy_marks.append((8, 0xE8))
-    with bound_stand_in(events=False):
-        assert stream.s._completed_fast() == 9 and asked == [1]
+    with bound_stand_in(events=False), pytest.raises(RuntimeError, match="cuEventQuery"):
+        stream.s._completed_fast()
+
+
+def test_a_marker_event_placed_from_python_is_recorded_in_c(stream: Stream, driver: Driver) -> None:
+    """``_record_marker_c``: a free event (else ``_new_marker_event``'s) recorded on
+    the stream, queued with its operation's number in ``_copy_marks``, or in
+    ``_events`` with event completion."""
+    stream.s._new_marker_event = lambda: 0xE1
+    stream.s._free_events.append(0xE0)
+    stream.s._record_marker_c(3)
+    stream.s._record_marker_c(4)
+    assert driver.records == [(0xE0, 0x5EA), (0xE1, 0x5EA)]
+    assert list(stream.s._copy_marks) == [(3, 0xE0), (4, 0xE1)] and not stream.s._free_events
+    stream.s._events = deque()
+    stream.s._free_events.append(0xE2)
+    stream.s._record_marker_c(5)
+    assert list(stream.s._events) == [(5, 0xE2)] and len(stream.s._copy_marks) == 2
+    with bound_stand_in(events=False), pytest.raises(RuntimeError, match="cuEventRecord"):
+        stream.s._record_marker_c(6)
+
+
+def test_event_completion_queries_the_marker_events_in_c(stream: Stream, driver: Driver) -> None:
+    """ASYNCGPU_COMPLETION=event: every marker is a driver event, and the counter
+    says nothing. Finished events retire in order; once the newest has finished,
+    every one has (stream order), and none of the others is asked."""
+    s = stream.s
+    s._events = deque([(1, 0xE0), (2, 0xE1), (3, 0xE2)])
+    stream.counter.value = 99  # never read
+    assert s._completed_fast() == 0
+    driver.finished.add(0xE0)
+    assert s._completed_fast() == 1 and s._free_events == [0xE0]
+    driver.finished.add(0xE2)  # the newest: 0xE1 finished before it
+    assert s._completed_fast() == 3 and s._free_events == [0xE0, 0xE1, 0xE2]
+    assert not s._events
 
 
 @pytest.mark.parametrize("why", ["fast", "constant memory", "no plan", "no dimensions"])

@@ -62,7 +62,7 @@ from .stream import CudaStream
 
 if TYPE_CHECKING:
     from ..._core.graph import GraphDefinition
-    from ..._core.protocols import ContextView as DeviceContext
+    from ..._core.memory import ContextView as DeviceContext
     from ..._core.state import _ContextState
     from ..._types import ConstantMemoryMapping, FuncAttribute, LaunchAttribute
 

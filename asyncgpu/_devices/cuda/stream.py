@@ -200,7 +200,7 @@ class CudaStream(_PolledStream):
         self._after_copy = False  # the last operation submitted was a copy or memset
         self._counter_mark = 0  # the last sequence number a counter marker covers
         # Event completion (ASYNCGPU_COMPLETION=event): every marker is a driver
-        # event, (seq, CUevent) in order, and _completed_slow reads them.
+        # event, (seq, CUevent) in order, which the compiled _completed queries.
         self._events: deque[tuple[int, Any]] | None = (
             deque() if backend.completion == "event" else None
         )
@@ -231,15 +231,16 @@ class CudaStream(_PolledStream):
 
     # -- the hot path ------------------------------------------------------------------
 
-    def _mark(self, keep: Any) -> DeviceEvent:
-        """The event of the operation just submitted (call with ``_submit_lock``
-        held, after ``_before_submit`` and the driver call)."""
-        seq = self._seq = self._seq + 1
-        ev = DeviceEvent(self, seq, keep)
-        self._inflight.append(ev)
-        if self._eager:
-            self._place_marker()
-        return ev
+    if TYPE_CHECKING:
+
+        def _mark(self, keep: Any) -> DeviceEvent:
+            """The event of the operation just submitted, keeping ``keep`` alive
+            (call with ``_submit_lock`` held, after ``_before_submit`` and the
+            driver call); the marker too when the stream is eager."""
+            ...
+    else:
+        # The compiled one, which the compiled copy runs too.
+        _mark = _accel.native.StreamCore._mark_c
 
     # -- markers: a counter the GPU writes, or driver events -----------------------------
 
@@ -263,20 +264,16 @@ class CudaStream(_PolledStream):
         self._marked = seq
 
     def _issue_marker(self, seq: int, event: bool) -> None:
+        """Hand the marker for ``seq`` to the driver: the counter write
+        (``cuStreamWriteValue64``), or a driver event recorded in C
+        (``StreamCore._record_marker_c``: ``cuEventRecord``, under
+        ``_marker_lock``). Both enqueue and return."""
         if not event:
             err = self._write_marker(seq)
             if err:
                 raise _error(err, "cuStreamWriteValue64")
         else:
-            marks = self._events if self._events is not None else self._copy_marks
-            with self._marker_lock:
-                free = self._free_events
-                e = free.pop() if free else self._new_marker_event()
-                err = cu.cuEventRecord(e, self.raw)[0]
-                if err != _SUCCESS:
-                    free.append(e)
-                    raise _error(err, "cuEventRecord")
-                marks.append((seq, e))
+            self._record_marker_c(seq)
         self._issued_mark = seq
 
     def _new_marker_event(self) -> Any:
@@ -296,58 +293,10 @@ class CudaStream(_PolledStream):
 
     if not TYPE_CHECKING:
         # The compiled completion (``_counter_in_c``): the counter read in C, and
-        # the marker events after copies queried there; it asks
-        # ``_completed_slow`` only for what the counter cannot say. Chosen here,
-        # for every stream of the class, not per stream.
+        # the marker events (after copies; every one with event completion)
+        # queried there (``cuEventQuery``, under ``_marker_lock``; their events
+        # are reused). Chosen here, for every stream of the class, not per stream.
         _completed = _accel.native.StreamCore._completed_fast
-
-    def _completed_slow(self) -> int:
-        """What the compiled ``_completed`` asks for when the counter cannot say:
-        with event completion (``_events``), the last marker event that finished
-        (``cuEventQuery``, under ``_marker_lock``), whose events are reused; with
-        counter completion, ``_completed_counter`` (asked only where the driver's
-        ``cuEventQuery`` is not bound to the extension)."""
-        ms = self._events
-        if ms is None:
-            return self._completed_counter()
-        if ms:
-            with self._marker_lock:
-                if ms:
-                    seq, e = ms[-1]
-                    if cu.cuEventQuery(e)[0] == _SUCCESS:
-                        self._done_seq = seq
-                        self._free_events.extend(x[1] for x in ms)
-                        ms.clear()
-                    else:
-                        while ms and cu.cuEventQuery(ms[0][1])[0] == _SUCCESS:
-                            seq, e = ms.popleft()
-                            self._done_seq = seq
-                            self._free_events.append(e)
-        return self._done_seq
-
-    def _completed_counter(self) -> int:
-        """Counter completion as the compiled ``_completed`` reads it (the counter,
-        and the marker events after copies, ``_query_copy_marks``), in Python: what
-        it asks for only where ``cuEventQuery`` is not bound, which
-        ``backend._bind_native`` never leaves so. (Left as the copy-marker rules'
-        Python statement, which tests/devices/test_cuda_logic.py checks on a fake
-        driver; C's ``query_marks`` is the one a bound stream runs.)"""
-        c = self._counter.value
-        if self._copy_marks:
-            self._query_copy_marks(c)
-        d = self._done_seq
-        return d if d > c else c
-
-    def _query_copy_marks(self, counter: int) -> None:
-        """Retire the copy markers that finished (in order), or that the counter
-        has passed, into ``_done_seq``; their events are reused."""
-        ms = self._copy_marks
-        with self._marker_lock:
-            while ms and (ms[0][0] <= counter or cu.cuEventQuery(ms[0][1])[0] == _SUCCESS):
-                seq, e = ms.popleft()
-                if seq > self._done_seq:
-                    self._done_seq = seq
-                self._free_events.append(e)
 
     def _device_wait_for(self, waiter: Any, seq: int) -> None:
         """Make the stream ``waiter`` wait, on the device, until this stream has
@@ -371,20 +320,10 @@ class CudaStream(_PolledStream):
                     return
         _check(cu.cuStreamWaitValue64(waiter, self.caddr, seq, _GEQ), "cuStreamWaitValue64")
 
-    def _prune(self) -> None:
-        """Retire what has finished (releasing what it kept alive) and have the
-        watcher sweep this stream later."""
-        inflight = self._inflight
-        # Counters cost a memory read; driver events a query, so check those rarely.
-        if (
-            inflight
-            and (self._events is None or len(inflight) >= 64)
-            and inflight[0]._seq <= self._completed()
-        ):
-            self._retire()
-        if not self._touched:
-            self._touched = True
-            watcher.sweep_later(self)
+    # Retire what has finished (releasing what it kept alive) and have the watcher
+    # sweep this stream later: the compiled prune, which the compiled launch and
+    # copy run too.
+    _prune = _accel.native.StreamCore._prune_c
 
     # ``launch`` (the seam's, ``_StreamImpl.launch``) is the compiled launch,
     # ``StreamCore._launch_c``: with a plain geometry, no constant memory and the
