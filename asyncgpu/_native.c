@@ -793,10 +793,11 @@ static PyType_Spec event_spec = {
  * RLock: a re-entrant lock with threading.RLock's Python face (acquire, release,
  * with), which the hot paths below also take and give back in C, without a
  * Python call: through their bound methods, threading.RLock's acquire parses
- * its arguments on every call, and cost a launch two fifths of a microsecond
- * on the development machine. A stream's submit, retire and marker locks are
- * these RLocks. Blocking acquires release the GIL and
- * wake for signals, as threading's do.
+ * its arguments on every call. benchmarks/diagnostics/primitives_ab.py measures
+ * that against a build whose streams use CPython's RLock and deque (the
+ * cpython-prims branch), in one run; the figures are in benchmarks/results.
+ * A stream's submit, retire and marker locks are these RLocks. Blocking
+ * acquires release the GIL and wake for signals, as threading's do.
  *
  * Every acquire and release runs with the GIL held (the lock is never taken
  * from code that has released it), so the GIL guards owner, count and waiters,
@@ -1239,6 +1240,15 @@ static PyType_Spec queue_spec = {
  * futures do. Its result is its only value; it never holds an exception.
  * It has no get_loop(): a Task and asyncio.futures._get_loop fall back to the
  * _loop member, which spares each await a bound method and a call.
+ *
+ * Why not asyncio.Future: its set_result hands every done callback, the
+ * awaiting task's wake-up included, to loop.call_soon, which costs each await a
+ * Handle and runs the task's step one loop iteration after the reactor saw the
+ * work finish, where wake() runs it in the reactor's own callback. Waking at
+ * once through an asyncio.Future would need its private _callbacks. And a
+ * DirectFuture is the await's iterator itself, ending with the event's outcome
+ * (event_await below); an asyncio.Future's iterator ends with its own result,
+ * so the await would need a Python generator around it.
  */
 typedef struct {
     PyObject_HEAD
