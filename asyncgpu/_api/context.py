@@ -383,6 +383,7 @@ class DeviceContext(native.ContextCore):
             raise ValueError(f"priority {priority} is outside the device's range {lo}..{hi}")
         state = self._state
         with state.lock:
+            state.refuse_if_closing()
             index = state.num_streams + len(state.extra_streams)
             impl = state.backend.new_stream(state, index, priority)
             state.extra_streams.append(impl)
@@ -394,6 +395,7 @@ class DeviceContext(native.ContextCore):
         self._check_open()
         state = self._state
         with state.lock:
+            state.refuse_if_closing()
             index = state.num_streams + len(state.extra_streams)
             impl = state.backend.external_stream(state, external_stream, index)
             state.extra_streams.append(impl)
@@ -542,7 +544,10 @@ class DeviceContext(native.ContextCore):
                         impl.wait_event(t)
         ev = impl.copy(d, s, nbytes, (dst, src))
         for o in owners:
-            o.wait_event(ev)
+            # (a closing owner takes no later work to order after the copy, and
+            # its close waits for the copy, which was in first)
+            with contextlib.suppress(ContextClosedError):
+                o.wait_event(ev)
         if state.trace is not None:
             # The edges are the owners' work the copy was ordered after (their tails
             # before the copy, not the waits inserted behind it).

@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 from .._accel import native
+from .._errors import ContextClosedError
 from .._types import DeviceAttribute
 from .function import DeviceFunction
 from .protocols import Backend
@@ -40,6 +41,7 @@ class _ContextState(native.StateCore):
         self.device_id = device_id
         self.backend = backend
         self.closed = False
+        self.closing = False  # close() has begun: no stream is made any more
         self.refs = 1
         self.lock = threading.RLock()
         self.trace: Trace | None = None
@@ -66,8 +68,15 @@ class _ContextState(native.StateCore):
             with self.lock:
                 s = self.streams.get(i)
                 if s is None:
+                    self.refuse_if_closing()
                     s = self.streams[i] = self.backend.new_stream(self, i, 0)
         return s
+
+    def refuse_if_closing(self) -> None:
+        """Under ``lock``: ``ContextClosedError`` once ``close()`` has begun (a
+        stream made then would miss ``close()``'s refusal and wait)."""
+        if self.closing:
+            raise ContextClosedError(f"the DeviceContext {self.describe()} is closed")
 
     def all_streams(self) -> list[_StreamImpl]:
         return list(self.streams.values()) + list(self.extra_streams)
@@ -85,11 +94,20 @@ class _ContextState(native.StateCore):
                 fail(err)
 
     def close(self) -> None:
-        """Wait for all work, then release streams, caches and the backend."""
+        """Refuse new work, wait for the work already in, then release streams,
+        caches and the backend.
+
+        Each stream refuses submissions first (``begin_close``, under the lock
+        its submissions hold), so an enqueue racing with this close either got
+        in before, and is waited for below, or raises ``ContextClosedError``:
+        none runs after ``close()`` returns."""
         with self.lock:
             if self.closed:
                 return
+            self.closing = True
             streams = self.all_streams()
+        for s in streams:
+            s.begin_close()
         errors: list[BaseException] = []
         for s in streams:
             try:

@@ -726,6 +726,8 @@ class CudaStream(_PolledStream):
 
     def record(self, ev: _UserEvent) -> None:
         with self._submit_lock:
+            if self._closing:
+                self._refuse_closed()
             if ev._handle is not None:
                 self._issue(0, _record, ev._handle, self.raw)
             if not self.owned:
