@@ -51,6 +51,13 @@ class _ContextState(native.StateCore):
         self.compiled: dict[Any, DeviceFunction] = {}
         self.limits: dict[DeviceAttribute, int] = {}
         _open_states.add(self)
+        # The backend's driver resources go back at close, or once a context
+        # dropped without close is collected: only after its work has finished,
+        # since work in flight keeps its streams, and so this state, reachable
+        # (from the CPU pool's queue, or the watcher's sweep of polled streams).
+        # Not at interpreter exit, which may still wait for that work.
+        self.release_backend = weakref.finalize(self, backend.close)
+        self.release_backend.atexit = False
         # The pool's streams are made together, one after another: the CUDA driver
         # hands its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) to
         # new streams in turn, so streams made together get queues of their own,
@@ -122,7 +129,7 @@ class _ContextState(native.StateCore):
                     s.close()
             self.compiled.clear()
             with contextlib.suppress(Exception):
-                self.backend.close()
+                self.release_backend()
 
 
 _open_states: weakref.WeakSet[_ContextState] = weakref.WeakSet()

@@ -131,11 +131,14 @@ def test_an_atexit_close_waits_for_queued_work() -> None:
     assert_ok(proc)
 
 
-def test_exit_with_pending_work_waits_for_it() -> None:
-    """A program that ends without closing its context: the exit waits for the
-    work still queued (bounded: see the next test), which runs, and nothing is
-    printed but the program's own output."""
-    proc = run_child("""
+@pytest.mark.parametrize("dropped", [False, True], ids=["kept", "dropped"])
+def test_exit_with_pending_work_waits_for_it(dropped: bool) -> None:
+    """A program that ends without closing its context (still referenced, or
+    dropped and collected): the exit waits for the work still queued (bounded:
+    see the next test), which runs, and nothing is printed but the program's
+    own output."""
+    drop = "del ctx; import gc; gc.collect()" if dropped else ""
+    proc = run_child(f"""
         import threading
         import asyncgpu
         ctx = asyncgpu.DeviceContext(api="cpu")
@@ -144,6 +147,7 @@ def test_exit_with_pending_work_waits_for_it() -> None:
         for s in range(4):
             ctx.select_stream(s).enqueue_cpu_function(int)
         ctx.enqueue_cpu_function(lambda: print("OK", flush=True))
+        {drop}
         threading.Timer(0.05, gate.set).start()  # (opens the gate during the exit)
     """)
     assert_ok(proc)
@@ -546,3 +550,81 @@ def test_a_kernel_body_is_freed_after_its_context_closes(form: str) -> None:
     gone = [weakref.ref(big), weakref.ref(closure), weakref.ref(holder)]
     del body, big, closure, holder, out, ctx
     assert all_collected(gone)
+
+
+def test_contexts_dropped_without_close_are_freed(api: str) -> None:
+    """Contexts made, used and dropped without ``close()``, many times over: once
+    their work has finished, each one's state and streams are collected, and the
+    registry of open contexts (what exit waits for) does not grow."""
+    import weakref
+
+    import numpy as np
+
+    from asyncgpu import DeviceContext
+    from asyncgpu._core.state import _open_states
+
+    before = len(_open_states)
+    gone = []
+    for _ in range(300 if api == "cpu" else 40):
+        ctx = DeviceContext(api=api)
+        buf = ctx.enqueue_create_buffer(np.int32, 16)
+        ctx.enqueue_memset(buf, 1)
+        ctx.enqueue_cpu_function(int)
+        gone += [weakref.ref(ctx._state), weakref.ref(ctx._impl)]
+        del ctx, buf
+    assert all_collected(gone)
+    assert len(_open_states) <= before
+
+
+def test_a_dropped_context_finishes_its_work_before_it_is_freed(api: str) -> None:
+    """Work still queued on a context dropped without ``close()`` keeps it (and
+    what the work uses) alive: the copy behind a gate lands in the NumPy array
+    after the context was dropped, and only then is the context freed."""
+    import gc
+    import weakref
+
+    import numpy as np
+    from _kernels import Gate
+
+    from asyncgpu import DeviceContext
+
+    ctx = DeviceContext(api=api)
+    gate = Gate()
+    host = np.zeros(4, np.int32)
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    ctx.enqueue_cpu_function(gate)
+    ctx.enqueue_memset(buf, 7)
+    ctx.enqueue_copy(host, buf)
+    state = weakref.ref(ctx._state)
+    del ctx, buf
+    gc.collect()
+    assert state() is not None  # (its work is held behind the gate)
+    gate.open()
+    assert all_collected([state])
+    assert host.tolist() == [7, 7, 7, 7]
+
+
+def test_the_launch_geometry_cache_is_bounded(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A function launched with ever new shapes keeps at most
+    ``MAX_LAUNCH_CONFIGS`` of them validated (the cache is then cleared), and
+    launches right with shapes that fell out of it and with the one the compiled
+    launch kept."""
+    import numpy as np
+    from _kernels import ADD_ONE
+
+    from asyncgpu._api import context as context_module
+
+    monkeypatch.setattr(context_module, "MAX_LAUNCH_CONFIGS", 8)
+    fn = ctx.compile_function(ADD_ONE)
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    ctx.enqueue_memset(buf, 0)
+    n = np.int32(4)
+    ctx.enqueue_function(fn, buf, n, grid_dim=1, block_dim=4)  # (the compiled launch's shape)
+    for k in range(1, 40):
+        ctx.enqueue_function(fn, buf, n, grid_dim=1, block_dim=4, shared_mem_bytes=4 * k)
+        assert len(fn._cfgs) <= 8
+    ctx.enqueue_function(fn, buf, n, grid_dim=1, block_dim=4)
+    ctx.enqueue_function(fn, buf, n, grid_dim=1, block_dim=4, shared_mem_bytes=4)
+    host = np.zeros(4, np.int32)
+    ctx.enqueue_copy(host, buf).synchronize()
+    assert host.tolist() == [42] * 4
