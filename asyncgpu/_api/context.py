@@ -542,8 +542,8 @@ class DeviceContext(native.ContextCore):
                         impl.wait_event(t)
         ev = impl.copy(d, s, nbytes, (dst, src))
         for o in owners:
-            # (a closing owner takes no later work to order after the copy, and
-            # its close waits for the copy, which was in first)
+            # (a closing owner takes no later work to order after the copy; the
+            # copy's event keeps its buffer alive until the copy is done)
             with contextlib.suppress(ContextClosedError):
                 o.wait_event(ev)
         if state.trace is not None:

@@ -363,6 +363,7 @@ class CpuBackend:
 
     api = "cpu"
     polled = False
+    memory_is_host = True  # (a CUDA context copies to and from its buffers)
 
     def __init__(self, device_id: int) -> None:
         if device_id != 0:
