@@ -153,7 +153,10 @@ def _wait_at_exit() -> None:
         if state.closed:
             continue
         for s in state.all_streams():
-            ev = s.point()
+            try:
+                ev = s.point()
+            except ContextClosedError:  # (closing on another thread: nothing new goes in)
+                ev = s.tail()
             if ev is not None and not ev._done:
                 pending.append((s.label, ev))
     if not pending:
