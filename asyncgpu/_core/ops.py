@@ -43,6 +43,7 @@ def copy_operands(
     if type(dst) in _BUFFER_TYPES and type(src) in _BUFFER_TYPES:
         # Two buffers (the common case), checked inline.
         d, s = dst, src
+        crossing = False
         for b in (dst, src):
             bstate = b._ctx._state
             if bstate.closed:
@@ -52,15 +53,9 @@ def copy_operands(
             if b._alloc is None:
                 raise ValueError("this buffer's memory was taken with take_ptr()")
             if bstate is not state and bstate.api != state.api:
-                if b is dst:
-                    d = _host_operand(state, b)
-                else:
-                    s = _host_operand(state, b)
-        if d is not dst and s is not src:
-            raise ValueError(
-                f"both buffers belong to the {dst._ctx._state.describe()} context: copy "
-                "them there, not on another device's context"
-            )
+                crossing = True
+        if crossing:
+            d, s = _crossing_operands(state, dst, src)
         if getattr(dst._alloc, "readonly", False):
             check_writable(dst)
         if size is not None:
@@ -157,6 +152,25 @@ def _operand(ctx: ContextView, obj: Any, writable: bool) -> Any:
         "with __cuda_array_interface__ or __dlpack__, or (with a size) an int address, "
         f"not {type(obj).__name__}"
     )
+
+
+def _crossing_operands(state: Any, dst: _BufferBase, src: _BufferBase) -> tuple[Any, Any]:
+    """Two buffers of which one or both belong to another device's context
+    (``_host_operand``): at most one may, since a copy between two host
+    buffers belongs on their own context."""
+
+    def foreign(b: _BufferBase) -> bool:
+        bstate = b._ctx._state
+        return bstate is not state and bstate.api != state.api
+
+    if foreign(dst) and foreign(src):
+        raise ValueError(
+            f"both buffers belong to the {dst._ctx._state.describe()} context: copy "
+            "them there, not on another device's context"
+        )
+    if foreign(dst):
+        return _host_operand(state, dst), src
+    return dst, _host_operand(state, src)
 
 
 def _host_operand(state: Any, buf: _BufferBase) -> _Span:
