@@ -1868,7 +1868,10 @@ typedef struct {
     unsigned long long fn_handle, mem_addr, mem_ptrs, cfg_dims[7];
     long long seq, marked, awaited, issued_mark, counter_mark, done_seq;
     unsigned long long h, caddr;
-    char eager, touched, after_copy, counter_in_c, kernel_event_markers;
+    /* closing: the context is closing (set under the submit lock by
+     * _begin_close); every submission, compiled or not, checks it in
+     * before_submit, under the same lock, and is refused */
+    char eager, touched, after_copy, counter_in_c, kernel_event_markers, closing;
 } StreamCore;
 
 static PyTypeObject *stream_core_type = NULL;
@@ -1876,7 +1879,8 @@ static PyObject *sweep_later = NULL; /* the watcher's sweep_later, set by config
 static long long mark_every = 32;
 static PyObject *s_place_marker, *s_retire, *s_completed, *s_acquire,
     *s_release, *s_append, *s_popleft, *s_finish_retired, *s_need, *s_impl, *s_last,
-    *s_dims, *s_handle, *s_launch_general, *s_new_marker_event, *s_types, *s_codes, *s_addr, *s_pointers;
+    *s_dims, *s_handle, *s_launch_general, *s_new_marker_event, *s_types, *s_codes, *s_addr, *s_pointers,
+    *s_refuse_closed;
 
 static PyMemberDef stream_members[] = {
     {"_inflight", T_OBJECT, offsetof(StreamCore, inflight), 0, NULL},
@@ -1901,6 +1905,7 @@ static PyMemberDef stream_members[] = {
     {"_marker_lock", T_OBJECT, offsetof(StreamCore, marker_lock), 0, NULL},
     {"_free_events", T_OBJECT, offsetof(StreamCore, free_events), 0, NULL},
     {"_kernel_event_markers", T_BOOL, offsetof(StreamCore, kernel_event_markers), 0, NULL},
+    {"_closing", T_BOOL, offsetof(StreamCore, closing), 0, NULL},
     {"spare", T_OBJECT, offsetof(StreamCore, spare), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
@@ -2126,9 +2131,16 @@ static EventCore *inflight_at(StreamCore *s, Py_ssize_t i) {
 
 /* _PolledStream._before_submit (the rules are documented there). */
 static int before_submit(StreamCore *s) {
-    Py_ssize_t n = inflight_len(s);
+    Py_ssize_t n;
     EventCore *tail;
     int held;
+    if (s->closing) {
+        /* _refuse_closed raises the context's ContextClosedError */
+        if (call_method0((PyObject *)s, s_refuse_closed) == 0)
+            PyErr_SetString(PyExc_RuntimeError, "asyncgpu: _refuse_closed returned");
+        return -1;
+    }
+    n = inflight_len(s);
     if (n < 0)
         return -1;
     if (n == 0) {
@@ -4186,6 +4198,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_state = intern("_state");
     s_closed = intern("closed");
     s_place_marker = intern("_place_marker");
+    s_refuse_closed = intern("_refuse_closed");
     s_retire = intern("_retire");
     s_completed = intern("_completed");
     s_acquire = intern("acquire");
@@ -4229,6 +4242,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     empty_tuple = PyTuple_New(0);
     dtype_cache = PyDict_New();
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
+        !s_refuse_closed ||
         !s_backend || !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
         !s_finish_retired || !s_need || !s_impl || !s_last ||
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||

@@ -81,6 +81,7 @@ class StreamCore:
     _marker_lock: Any
     _free_events: Any
     _kernel_event_markers: bool
+    _closing: bool
     spare: Any
     def _launch_c(
         self, fn: object, args: tuple[object, ...], cfg: object, constant_memory: object, /

@@ -37,7 +37,7 @@ from .._core.memory import (
 )
 from .._core.ops import check_writable as _check_writable
 from .._core.ops import copy_operands
-from .._core.state import _ContextState, _Ref
+from .._core.state import _ContextState, _open_states, _Ref
 from .._core.stream import _StreamImpl
 from .._core.trace import Trace
 from .._core.trace_json import write_chrome_trace
@@ -125,7 +125,6 @@ class DeviceContext(native.ContextCore):
         self._impl = self._state.stream(0)
         self._ref = _Ref()
         self._ref.owner = weakref.ref(self)
-        _live_states.add(self._state)
         if (trace_path := _config.read_trace()) is not None:
             self._state.trace = Trace(path=trace_path)
 
@@ -191,7 +190,6 @@ class DeviceContext(native.ContextCore):
                     write_chrome_trace(trace, path)
             if not _any_polled_open():
                 _engine.watcher.stop()
-            _live_states.discard(state)
 
     async def aclose(self) -> None:
         """Await all work on every stream of the context, then close it. If the
@@ -383,6 +381,7 @@ class DeviceContext(native.ContextCore):
             raise ValueError(f"priority {priority} is outside the device's range {lo}..{hi}")
         state = self._state
         with state.lock:
+            state.refuse_if_closing()
             index = state.num_streams + len(state.extra_streams)
             impl = state.backend.new_stream(state, index, priority)
             state.extra_streams.append(impl)
@@ -394,6 +393,7 @@ class DeviceContext(native.ContextCore):
         self._check_open()
         state = self._state
         with state.lock:
+            state.refuse_if_closing()
             index = state.num_streams + len(state.extra_streams)
             impl = state.backend.external_stream(state, external_stream, index)
             state.extra_streams.append(impl)
@@ -542,7 +542,10 @@ class DeviceContext(native.ContextCore):
                         impl.wait_event(t)
         ev = impl.copy(d, s, nbytes, (dst, src))
         for o in owners:
-            o.wait_event(ev)
+            # (a closing owner takes no later work to order after the copy; the
+            # copy's event keeps its buffer alive until the copy is done)
+            with contextlib.suppress(ContextClosedError):
+                o.wait_event(ev)
         if state.trace is not None:
             # The edges are the owners' work the copy was ordered after (their tails
             # before the copy, not the waits inserted behind it).
@@ -687,11 +690,15 @@ class DeviceContext(native.ContextCore):
                 )
             # The key as the compiled enqueue_function looks it up (built in C only).
             key = native.launch_key(grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes)
-            cfg = f._cfgs.get(key)
+            cfgs = f._cfgs
+            cfg = cfgs.get(key)
             if cfg is None:
-                cfg = f._cfgs[key] = self._launch_config(
+                cfg = self._launch_config(
                     f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
                 )
+                if len(cfgs) >= MAX_LAUNCH_CONFIGS:
+                    cfgs.clear()
+                cfgs[key] = cfg
         else:
             cfg = self._launch_config(
                 f, grid_dim, block_dim, cluster_dim, shared_mem_bytes, attributes
@@ -883,6 +890,15 @@ class DeviceContext(native.ContextCore):
         return hash((id(self._state), id(self._impl)))
 
 
+# The most launch geometries one function keeps validated (``_cfgs``). A program
+# whose shapes follow its data (a grid per input size) would otherwise grow the
+# cache for good. Full, it is cleared, not trimmed: the compiled launch reads it
+# as a plain dict (an LRU would cost bookkeeping on every hit), the shapes in
+# use come back at once, and one that falls out is only validated again. The
+# compiled launch's copy of the last configuration stays valid: an entry is
+# never changed, only dropped.
+MAX_LAUNCH_CONFIGS = 1024
+
 _SCALAR_SAMPLES = (
     np.float32(-1.2345678),
     np.float64(-1.2345678901234567e-300),
@@ -1042,8 +1058,5 @@ def _scalar_for(dt: np.dtype[Any], val: Any) -> np.generic:
     return out
 
 
-_live_states: set[_ContextState] = set()
-
-
 def _any_polled_open() -> bool:
-    return any(s.api == "cuda" and not s.closed for s in list(_live_states))
+    return any(s.api == "cuda" and not s.closed for s in list(_open_states))

@@ -415,6 +415,13 @@ def reactor_for(loop: asyncio.AbstractEventLoop) -> _Reactor:
         with _reactors_lock:
             r = _reactors.get(loop)
             if r is None:
+                # A reactor refers to its loop, so the weak key alone never lets
+                # an entry go: the reactors of closed loops are dropped here,
+                # with the streams their unfinished awaits held (a program that
+                # calls asyncio.run again and again would keep every loop, and
+                # every context awaited when one closed, for good).
+                for old in [lp for lp in _reactors if lp.is_closed()]:
+                    del _reactors[old]
                 r = _reactors[loop] = _Reactor(loop)
     return r
 

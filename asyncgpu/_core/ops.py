@@ -50,6 +50,8 @@ def copy_operands(
     state = ctx._state
     if type(dst) in _BUFFER_TYPES and type(src) in _BUFFER_TYPES:
         # Two buffers (the common case), checked inline.
+        d, s = dst, src
+        crossing = False
         for b in (dst, src):
             bstate = b._ctx._state
             if bstate.closed:
@@ -59,15 +61,13 @@ def copy_operands(
             if b._alloc is None:
                 raise ValueError("this buffer's memory was taken with take_ptr()")
             if bstate is not state and bstate.api != state.api:
-                raise ValueError(
-                    f"a buffer of the {bstate.describe()} context cannot be used by the "
-                    f"{state.describe()} context"
-                )
+                crossing = True
+        if crossing:
+            d, s = _crossing_operands(state, dst, src)
         if getattr(dst._alloc, "readonly", False):
             check_writable(dst)
         if size is not None:
             raise TypeError("size is only given with raw addresses")
-        d, s = dst, src
         if d._dtype != s._dtype:
             raise TypeError(f"dtype mismatch: copying {s._dtype} into {d._dtype}")
         if dtype is not None and as_dtype(dtype) != d._dtype:
@@ -147,10 +147,7 @@ def _operand(ctx: ContextView, obj: Any, writable: bool) -> Any:
             check_writable(obj)
         ostate = obj._ctx._state
         if ostate is not ctx._state and ostate.api != ctx._state.api:
-            raise ValueError(
-                f"a buffer of the {ostate.describe()} context cannot be used by the "
-                f"{ctx._state.describe()} context"
-            )
+            return _host_operand(ctx._state, obj)
         return obj
     if isinstance(obj, np.ndarray):
         return _Span(obj, writable)
@@ -163,6 +160,45 @@ def _operand(ctx: ContextView, obj: Any, writable: bool) -> Any:
         "with __cuda_array_interface__ or __dlpack__, or (with a size) an int address, "
         f"not {type(obj).__name__}"
     )
+
+
+def _crossing_operands(state: Any, dst: _BufferBase, src: _BufferBase) -> tuple[Any, Any]:
+    """Two buffers of which one or both belong to another device's context
+    (``_host_operand``): at most one may, since a copy between two host
+    buffers belongs on their own context."""
+
+    def foreign(b: _BufferBase) -> bool:
+        bstate = b._ctx._state
+        return bstate is not state and bstate.api != state.api
+
+    if foreign(dst) and foreign(src):
+        raise ValueError(
+            f"both buffers belong to the {dst._ctx._state.describe()} context: copy "
+            "them there, not on another device's context"
+        )
+    if foreign(dst):
+        return _host_operand(state, dst), src
+    return dst, _host_operand(state, src)
+
+
+def _host_operand(state: Any, buf: _BufferBase) -> _Span:
+    """A buffer of another device's context used by ``state``'s context: allowed
+    where that device's buffers are all host memory (the CPU device's, device and
+    host buffers alike, as in MAX), which the copy then takes as pageable host
+    memory, ordered with the buffer's owning stream as a buffer of the context's
+    own is (the copy waits for the owner's earlier work on it; the owner's later
+    work waits for the copy). The copy's event keeps the buffer alive. Any other
+    mix of devices is a ``ValueError``."""
+    bstate = buf._ctx._state
+    if not bstate.backend.memory_is_host or buf._hostbytes is None:
+        raise ValueError(
+            f"a buffer of the {bstate.describe()} context cannot be used by the "
+            f"{state.describe()} context (only buffers of a context whose memory is "
+            "host memory, such as the CPU device's, can)"
+        )
+    span = _Span(buf._hostbytes.view(buf._dtype), False)
+    span._owner = buf._owner
+    return span
 
 
 def _pointer_operands(

@@ -28,6 +28,10 @@ class Backend(Protocol):
     this module, and a protocol here must not import them back."""
 
     api: str
+    # Whether every buffer of this device is host memory that the host process
+    # addresses directly (the CPU device): a context of another device then
+    # takes its buffers as pageable host memory in copies.
+    memory_is_host: bool
 
     # -- facts
     def name(self) -> str: ...

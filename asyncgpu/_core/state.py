@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 from .._accel import native
+from .._errors import ContextClosedError
 from .._types import DeviceAttribute
 from .function import DeviceFunction
 from .protocols import Backend
@@ -40,6 +41,7 @@ class _ContextState(native.StateCore):
         self.device_id = device_id
         self.backend = backend
         self.closed = False
+        self.closing = False  # close() has begun: no stream is made any more
         self.refs = 1
         self.lock = threading.RLock()
         self.trace: Trace | None = None
@@ -49,6 +51,13 @@ class _ContextState(native.StateCore):
         self.compiled: dict[Any, DeviceFunction] = {}
         self.limits: dict[DeviceAttribute, int] = {}
         _open_states.add(self)
+        # The backend's driver resources go back at close, or once a context
+        # dropped without close is collected: only after its work has finished,
+        # since work in flight keeps its streams, and so this state, reachable
+        # (from the CPU pool's queue, or the watcher's sweep of polled streams).
+        # Not at interpreter exit, which may still wait for that work.
+        self.release_backend = weakref.finalize(self, backend.close)
+        self.release_backend.atexit = False
         # The pool's streams are made together, one after another: the CUDA driver
         # hands its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default) to
         # new streams in turn, so streams made together get queues of their own,
@@ -66,8 +75,15 @@ class _ContextState(native.StateCore):
             with self.lock:
                 s = self.streams.get(i)
                 if s is None:
+                    self.refuse_if_closing()
                     s = self.streams[i] = self.backend.new_stream(self, i, 0)
         return s
+
+    def refuse_if_closing(self) -> None:
+        """Under ``lock``: ``ContextClosedError`` once ``close()`` has begun (a
+        stream made then would miss ``close()``'s refusal and wait)."""
+        if self.closing:
+            raise ContextClosedError(f"the DeviceContext {self.describe()} is closed")
 
     def all_streams(self) -> list[_StreamImpl]:
         return list(self.streams.values()) + list(self.extra_streams)
@@ -85,11 +101,20 @@ class _ContextState(native.StateCore):
                 fail(err)
 
     def close(self) -> None:
-        """Wait for all work, then release streams, caches and the backend."""
+        """Refuse new work, wait for the work already in, then release streams,
+        caches and the backend.
+
+        Each stream refuses submissions first (``begin_close``, under the lock
+        its submissions hold), so an enqueue racing with this close either got
+        in before, and is waited for below, or raises ``ContextClosedError``:
+        none runs after ``close()`` returns."""
         with self.lock:
             if self.closed:
                 return
+            self.closing = True
             streams = self.all_streams()
+        for s in streams:
+            s.begin_close()
         errors: list[BaseException] = []
         for s in streams:
             try:
@@ -104,7 +129,7 @@ class _ContextState(native.StateCore):
                     s.close()
             self.compiled.clear()
             with contextlib.suppress(Exception):
-                self.backend.close()
+                self.release_backend()
 
 
 _open_states: weakref.WeakSet[_ContextState] = weakref.WeakSet()
@@ -128,7 +153,10 @@ def _wait_at_exit() -> None:
         if state.closed:
             continue
         for s in state.all_streams():
-            ev = s.point()
+            try:
+                ev = s.point()
+            except ContextClosedError:  # (closing on another thread: nothing new goes in)
+                ev = s.tail()
             if ev is not None and not ev._done:
                 pending.append((s.label, ev))
     if not pending:

@@ -27,7 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._accel import native
-from .._errors import DeviceError, DeviceFaultError
+from .._errors import ContextClosedError, DeviceError, DeviceFaultError
 from . import engine as _engine
 from . import pool as _pool
 from .event import DeviceEvent, _loop_waiter, _trio_wait_pushed, _UserEvent
@@ -97,6 +97,13 @@ class _StreamImpl:
     label: str = "stream"
     priority: int = 0
     device_clock = False  # trace_stamp gives device timestamps (CUDA)
+    # Set by ``begin_close`` under the lock every submission holds (a polled
+    # stream's ``_submit_lock``, the compiled ``StreamCore``'s field there), and
+    # read under it by every submission: an enqueue that overlaps ``close()``
+    # either got in before the flag, and ``close()`` waits for it, or sees the
+    # flag and is refused. Checking it before taking the lock would leave a gap
+    # between the check and the submission.
+    _closing = False
 
     def __init__(self, state: Any, index: int, priority: int) -> None:
         self.state = state
@@ -160,6 +167,17 @@ class _StreamImpl:
         if ev is not None:
             ev._wait_blocking()
             ev._raise_fault()
+
+    def begin_close(self) -> None:
+        """Refuse every submission from now on (``ContextClosedError``): the first
+        step of the context's close, before it waits for the stream's work.
+        A backend sets the flag under the lock its submissions hold."""
+        self._closing = True
+
+    def _refuse_closed(self) -> None:
+        """Raise the closed context's error (a submission that found ``_closing``;
+        the compiled submissions call it too)."""
+        raise ContextClosedError(f"the DeviceContext {self.state.describe()} is closed")
 
     def close(self) -> None:
         """Release the stream (after its work is done)."""
@@ -306,6 +324,12 @@ class _PolledStream(native.StreamCore, _StreamImpl):
         # waiters it covers from the top (a list scanned whole on every drain makes
         # draining many held operations quadratic).
         self._issue_waiters: list[tuple[int, int, Callable[[], None]]] = []
+
+    def begin_close(self) -> None:
+        # (the compiled ``before_submit``, which every submission calls under
+        # ``_submit_lock``, refuses once this is set)
+        with self._submit_lock:
+            self._closing = True
 
     def _completed(self) -> int:
         """The highest sequence number known to have finished (never blocks)."""

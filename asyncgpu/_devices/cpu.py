@@ -148,6 +148,8 @@ class CpuStream(_StreamImpl):
         stream (and ``extra``) has finished, and must finish ``ev`` eventually."""
         ev = DeviceEvent(self, 0, keep)
         with self._lock:
+            if self._closing:
+                self._refuse_closed()
             self._seq += 1
             ev._seq = self._seq
             prev = self._tail
@@ -234,8 +236,14 @@ class CpuStream(_StreamImpl):
     def tail(self) -> DeviceEvent | None:
         return self._tail
 
+    def begin_close(self) -> None:
+        with self._lock:
+            self._closing = True
+
     def record(self, ev: _UserEvent) -> None:
         with self._lock:
+            if self._closing:
+                self._refuse_closed()
             prev = self._tail
             seq = self._seq
         ev._repoint(self, seq, prev)
@@ -460,6 +468,7 @@ class CpuBackend:
 
     api = "cpu"
     polled = False
+    memory_is_host = True  # (a CUDA context copies to and from its buffers)
 
     def __init__(self, device_id: int) -> None:
         if device_id != 0:

@@ -485,20 +485,110 @@ def test_a_buffer_copy_reaches_the_stream_in_three_python_calls(ctx: DeviceConte
     assert called == ["enqueue_copy", "_copy", "copy_operands", "<stream copy>"]
 
 
-def test_a_cpu_context_host_buffer_in_a_cuda_copy_is_refused_with_the_way_around(
-    ctx: DeviceContext, api: str
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_a_cpu_context_buffer_takes_part_in_a_cuda_copy(
+    ctx: DeviceContext, api: str, kind: str
 ) -> None:
-    """MAX lets a CPU context's host buffer take part in a GPU context's copies;
-    asyncgpu refuses it (docs/guarantees.md) and the NumPy view is the way around."""
+    """As in MAX, a buffer of a CPU context (host or "device": both are host
+    memory) is pageable host memory to a CUDA context's copies, both ways; the
+    CPU context's later work on it (here, reading it back) waits for the copy."""
+    if api == "cpu":
+        pytest.skip("needs a CUDA context beside the CPU one")
+    data = np.arange(8, dtype=np.float32)
+    with DeviceContext(api="cpu") as cpu:
+        make = cpu.enqueue_create_host_buffer if kind == "host" else cpu.enqueue_create_buffer
+        src = make(np.float32, 8)
+        cpu.enqueue_copy(src, data)
+        dev = ctx.enqueue_create_buffer(np.float32, 8)
+        ctx.enqueue_copy(dev, src)
+        np.testing.assert_array_equal(read(ctx, dev), data)
+        dst = make(np.float32, 8)
+        cpu.enqueue_memset(dst, 0)
+        ctx.enqueue_copy(dst, dev)
+        out = poison(np.float32, 8)
+        cpu.enqueue_copy(out, dst).synchronize()  # (ordered after the CUDA copy)
+        np.testing.assert_array_equal(out, data)
+
+
+def test_a_cuda_copy_of_a_cpu_context_buffer_waits_for_the_cpu_work_that_writes_it(
+    ctx: DeviceContext, api: str, gate
+) -> None:
+    """The copy starts only after the work pending on the buffer's CPU stream (a
+    copy held behind a gate) has written it, and keeps the buffer alive though
+    the program dropped it."""
+    if api == "cpu":
+        pytest.skip("needs a CUDA context beside the CPU one")
+    import gc
+
+    data = np.arange(1, 65, dtype=np.int32)
+    with DeviceContext(api="cpu") as cpu:
+        g = gate()
+        host = cpu.enqueue_create_host_buffer(np.int32, 64)
+        cpu.enqueue_cpu_function(g)
+        cpu.enqueue_copy(host, data)
+        dev = ctx.enqueue_create_buffer(np.int32, 64)
+        ev = ctx.enqueue_copy(dev, host)
+        del host
+        gc.collect()
+        assert not ev.query()
+        g.open()
+        ev.synchronize()
+        np.testing.assert_array_equal(read(ctx, dev), data)
+
+
+def test_other_mixes_of_devices_in_a_copy_are_refused(ctx: DeviceContext, api: str) -> None:
+    """Only the CPU device's buffers cross over, and only into a copy with the
+    other device's memory: a CUDA buffer (device or pinned host) in a CPU
+    context's copy, or two CPU-context buffers in a CUDA copy, is a
+    ``ValueError`` at the call."""
     if api == "cpu":
         pytest.skip("needs a CUDA context beside the CPU one")
     with DeviceContext(api="cpu") as cpu:
-        host = cpu.enqueue_create_host_buffer(np.float32, 8)
-        cpu.enqueue_copy(host, np.arange(8, dtype=np.float32)).synchronize()
-        dev = ctx.enqueue_create_buffer(np.float32, 8)
-        with pytest.raises(ValueError, match="cannot be used by the"):
-            ctx.enqueue_copy(dev, host)
-        ctx.enqueue_copy(dev, host.as_numpy())
-        out = np.zeros(8, np.float32)
-        ctx.enqueue_copy(out, dev).synchronize()
-        np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32))
+        a = cpu.enqueue_create_host_buffer(np.float32, 8)
+        b = cpu.enqueue_create_buffer(np.float32, 8)
+        for theirs in (
+            ctx.enqueue_create_buffer(np.float32, 8),
+            host_with(ctx, np.zeros(8, np.float32)),
+        ):
+            with pytest.raises(ValueError, match="cannot be used by the cpu:0 context"):
+                cpu.enqueue_copy(a, theirs)
+            with pytest.raises(ValueError, match="cannot be used by the cpu:0 context"):
+                cpu.enqueue_copy(theirs, b)
+        with pytest.raises(ValueError, match="copy them there"):
+            ctx.enqueue_copy(a, b)
+
+
+def test_the_crossing_rules_on_two_cpu_contexts_one_standing_in_for_another_device() -> None:
+    """The rules above without a GPU: a second CPU context whose ``api`` is
+    renamed stands in for another device (the core decides by the api and by
+    whether the buffer's device has host memory, never by a device's name). The
+    copy waits for the gated CPU work that writes the buffer and keeps the
+    dropped buffer alive; the owner's later read waits for the copy."""
+    import gc
+
+    from _kernels import Gate
+
+    data = np.arange(1, 65, dtype=np.int32)
+    with DeviceContext(api="cpu") as cpu, DeviceContext(api="cpu") as other:
+        other._state.api = "other"
+        try:
+            gate = Gate()
+            host = cpu.enqueue_create_host_buffer(np.int32, 64)
+            cpu.enqueue_cpu_function(gate)
+            cpu.enqueue_copy(host, data)
+            dev = other.enqueue_create_buffer(np.int32, 64)
+            ev = other.enqueue_copy(dev, host)
+            del host
+            gc.collect()
+            assert not ev.query()
+            gate.open()
+            np.testing.assert_array_equal(read(other, dev), data)
+            dst = cpu.enqueue_create_buffer(np.int32, 64)
+            cpu.enqueue_memset(dst, 0)
+            other.enqueue_copy(dst, dev)
+            np.testing.assert_array_equal(read(cpu, dst), data)  # (after the copy)
+            for second in (cpu.enqueue_create_host_buffer(np.int32, 64), dst):
+                with pytest.raises(ValueError, match="copy them there"):
+                    other.enqueue_copy(dst, second)
+        finally:
+            other._state.api = "cpu"

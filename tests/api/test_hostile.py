@@ -35,6 +35,23 @@ def run_child(code: str, timeout: float = CHILD_TIMEOUT_S) -> subprocess.Complet
         pytest.fail(f"the program hung (no exit in {timeout} s): {e.stdout!r} {e.stderr!r}")
 
 
+def all_collected(refs: list[Any], timeout: float = CHILD_TIMEOUT_S) -> bool:
+    """Whether every weak reference in ``refs`` dies, collecting until it has or
+    ``timeout`` passes: a pool thread that has just finished an operation (and
+    woken the test) may still hold its work item for a moment."""
+    import gc
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        if all(r() is None for r in refs):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+
+
 def assert_ok(proc: subprocess.CompletedProcess[str]) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout, proc.stdout + proc.stderr
@@ -114,11 +131,14 @@ def test_an_atexit_close_waits_for_queued_work() -> None:
     assert_ok(proc)
 
 
-def test_exit_with_pending_work_waits_for_it() -> None:
-    """A program that ends without closing its context: the exit waits for the
-    work still queued (bounded: see the next test), which runs, and nothing is
-    printed but the program's own output."""
-    proc = run_child("""
+@pytest.mark.parametrize("dropped", [False, True], ids=["kept", "dropped"])
+def test_exit_with_pending_work_waits_for_it(dropped: bool) -> None:
+    """A program that ends without closing its context (still referenced, or
+    dropped and collected): the exit waits for the work still queued (bounded:
+    see the next test), which runs, and nothing is printed but the program's
+    own output."""
+    drop = "del ctx; import gc; gc.collect()" if dropped else ""
+    proc = run_child(f"""
         import threading
         import asyncgpu
         ctx = asyncgpu.DeviceContext(api="cpu")
@@ -127,6 +147,7 @@ def test_exit_with_pending_work_waits_for_it() -> None:
         for s in range(4):
             ctx.select_stream(s).enqueue_cpu_function(int)
         ctx.enqueue_cpu_function(lambda: print("OK", flush=True))
+        {drop}
         threading.Timer(0.05, gate.set).start()  # (opens the gate during the exit)
     """)
     assert_ok(proc)
@@ -360,6 +381,135 @@ def test_an_unknown_launch_attribute_is_refused() -> None:
     assert LaunchAttribute(2, True).id == LaunchAttributeID.COOPERATIVE  # type: ignore[arg-type]
 
 
+# -- races with close() -----------------------------------------------------------------
+
+
+def test_an_enqueue_overlapping_close_is_refused_when_close_comes_first(api: str) -> None:
+    """A producer thread is inside ``enqueue_cpu_function`` (past its open check,
+    held up by a callable slow to inspect) while another thread closes the
+    context: the enqueue is refused with ``ContextClosedError`` and never runs
+    (it ran after ``close()`` returned)."""
+    proc = run_child(f"""
+        import threading
+        import asyncgpu
+        from asyncgpu import ContextClosedError
+
+        ctx = asyncgpu.DeviceContext(api={api!r})
+        inspecting, go, ran = threading.Event(), threading.Event(), threading.Event()
+
+        class SlowToInspect:
+            # The async-function check reads __call__: the first read waits for go.
+            first = True
+
+            @property
+            def __call__(self):
+                if SlowToInspect.first:
+                    SlowToInspect.first = False
+                    inspecting.set()
+                    go.wait()
+                return ran.set
+
+        outcome = []
+
+        def produce():
+            try:
+                ctx.enqueue_cpu_function(SlowToInspect())
+                outcome.append("enqueued")
+            except ContextClosedError:
+                outcome.append("refused")
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        assert inspecting.wait(30)
+        closer = threading.Thread(target=ctx.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()
+        go.set()
+        producer.join(30)
+        assert outcome == ["refused"], outcome
+        assert not ran.is_set()
+        print("OK")
+    """)
+    assert_ok(proc)
+
+
+def test_enqueues_racing_close_ran_before_it_returned_or_were_refused(api: str) -> None:
+    """Two producer threads enqueue CPU functions as fast as they can while the
+    main thread closes the context, many times over: every enqueue that
+    returned an event had run when ``close()`` returned, and every other one
+    raised ``ContextClosedError`` (none ran after)."""
+    proc = run_child(f"""
+        import threading
+        import asyncgpu
+        from asyncgpu import ContextClosedError
+
+        for _ in range(40):
+            ctx = asyncgpu.DeviceContext(api={api!r}, num_streams=2)
+            ran = [[], []]
+            accepted = [0, 0]
+            start = threading.Barrier(3)
+
+            def produce(i):
+                view = ctx.select_stream(i)
+                start.wait()
+                try:
+                    while True:
+                        view.enqueue_cpu_function(ran[i].append, 1)
+                        accepted[i] += 1
+                except ContextClosedError:
+                    pass
+
+            producers = [threading.Thread(target=produce, args=(i,)) for i in range(2)]
+            for t in producers:
+                t.start()
+            start.wait()
+            ctx.close()
+            ran_at_close = [len(r) for r in ran]
+            for t in producers:
+                t.join(30)
+            assert ran_at_close == accepted, (ran_at_close, accepted)
+            assert [len(r) for r in ran] == accepted
+        print("OK")
+    """)
+    assert_ok(proc)
+
+
+def test_a_closing_stream_refuses_every_kind_of_submission(ctx: Any, gate: Any) -> None:
+    """Once ``close()`` has begun on a stream (``begin_close``), each submission,
+    compiled fast paths included, checks that under the lock it submits with
+    and raises ``ContextClosedError``, although the context's own open check
+    still passes (the gap a racing enqueue falls into)."""
+    import numpy as np
+    from _kernels import ADD_ONE
+
+    from asyncgpu import ContextClosedError
+
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    host = ctx.enqueue_create_host_buffer(np.int32, 4)
+    ctx.enqueue_function(ADD_ONE, buf, np.int32(4), grid_dim=1, block_dim=4)  # (seen: compiled)
+    ctx.synchronize()
+    other = ctx.select_stream(1)
+    held = other.enqueue_cpu_function(gate())  # (opened at teardown, before the close)
+    for s in ctx._state.all_streams():
+        s.begin_close()
+    submissions = {
+        "copy": lambda: ctx.enqueue_copy(host, buf),
+        "copy from NumPy": lambda: ctx.enqueue_copy(buf, np.zeros(4, np.int32)),
+        "memset": lambda: ctx.enqueue_memset(buf, 0),
+        "kernel": lambda: ctx.enqueue_function(ADD_ONE, buf, np.int32(4), grid_dim=1, block_dim=4),
+        "cpu function": lambda: ctx.enqueue_cpu_function(int),
+        "cpu range": lambda: ctx.enqueue_cpu_range(int, 2),
+        "wait for a stream": lambda: ctx.enqueue_wait_for(other),
+        "wait for an event": lambda: ctx.enqueue_wait_for(held),
+        "record": lambda: ctx.stream().record_event(ctx.create_event()),
+    }
+    for what, submit in submissions.items():
+        with pytest.raises(ContextClosedError, match="is closed"):
+            submit()
+            pytest.fail(f"{what} was accepted by a closing stream")
+
+
 # -- leaks -------------------------------------------------------------------------------
 
 
@@ -367,7 +517,6 @@ def test_an_unknown_launch_attribute_is_refused() -> None:
 def test_a_kernel_body_is_freed_after_its_context_closes(form: str) -> None:
     """The CPU device's check of a body's argument count kept every body checked
     (a closure and what it holds) for the life of the process."""
-    import gc
     import weakref
 
     import numpy as np
@@ -400,5 +549,82 @@ def test_a_kernel_body_is_freed_after_its_context_closes(form: str) -> None:
         assert host[0] == 10_000
     gone = [weakref.ref(big), weakref.ref(closure), weakref.ref(holder)]
     del body, big, closure, holder, out, ctx
+    assert all_collected(gone)
+
+
+def test_contexts_dropped_without_close_are_freed(api: str) -> None:
+    """Contexts made, used and dropped without ``close()``, many times over: once
+    their work has finished, each one's state and streams are collected, and the
+    registry of open contexts (what exit waits for) does not grow."""
+    import weakref
+
+    import numpy as np
+
+    from asyncgpu import DeviceContext
+    from asyncgpu._core.state import _open_states
+
+    before = len(_open_states)
+    gone = []
+    for _ in range(300 if api == "cpu" else 40):
+        ctx = DeviceContext(api=api)
+        buf = ctx.enqueue_create_buffer(np.int32, 16)
+        ctx.enqueue_memset(buf, 1)
+        ctx.enqueue_cpu_function(int)
+        gone += [weakref.ref(ctx._state), weakref.ref(ctx._impl)]
+        del ctx, buf
+    assert all_collected(gone)
+    assert len(_open_states) <= before
+
+
+def test_a_dropped_context_finishes_its_work_before_it_is_freed(api: str) -> None:
+    """Work still queued on a context dropped without ``close()`` keeps it (and
+    what the work uses) alive: the copy behind a gate lands in the NumPy array
+    after the context was dropped, and only then is the context freed."""
+    import gc
+    import weakref
+
+    import numpy as np
+    from _kernels import Gate
+
+    from asyncgpu import DeviceContext
+
+    ctx = DeviceContext(api=api)
+    gate = Gate()
+    host = np.zeros(4, np.int32)
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    ctx.enqueue_cpu_function(gate)
+    ctx.enqueue_memset(buf, 7)
+    ctx.enqueue_copy(host, buf)
+    state = weakref.ref(ctx._state)
+    del ctx, buf
     gc.collect()
-    assert [r() for r in gone] == [None, None, None]
+    assert state() is not None  # (its work is held behind the gate)
+    gate.open()
+    assert all_collected([state])
+    assert host.tolist() == [7, 7, 7, 7]
+
+
+def test_the_launch_geometry_cache_is_bounded(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A function launched with ever new shapes keeps at most
+    ``MAX_LAUNCH_CONFIGS`` of them validated (the cache is then cleared), and
+    launches right with shapes that fell out of it and with the one the compiled
+    launch kept."""
+    import numpy as np
+    from _kernels import ADD_ONE
+
+    from asyncgpu._api import context as context_module
+
+    monkeypatch.setattr(context_module, "MAX_LAUNCH_CONFIGS", 8)
+    fn = ctx.compile_function(ADD_ONE)
+    buf = ctx.enqueue_create_buffer(np.int32, 4)
+    ctx.enqueue_memset(buf, 0)
+    n = np.int32(4)
+    ctx.enqueue_function(fn, buf, n, grid_dim=1, block_dim=4)  # (the compiled launch's shape)
+    for k in range(1, 40):
+        ctx.enqueue_function(fn, buf, n, grid_dim=1, block_dim=4, shared_mem_bytes=4 * k)
+        assert len(fn._cfgs) <= 8
+    ctx.enqueue_function(fn, buf, n, grid_dim=1, block_dim=4)
+    ctx.enqueue_function(fn, buf, n, grid_dim=1, block_dim=4, shared_mem_bytes=4)
+    host = np.zeros(4, np.int32)
+    ctx.enqueue_copy(host, buf).synchronize()
+    assert host.tolist() == [42] * 4

@@ -363,3 +363,26 @@ async def test_the_reactor_polls_on_while_any_stream_it_waits_on_is_not_behind_h
     assert not reactor.held_waits and not held._issue_waiters
     free.finish_all()
     await asyncio.wait_for(asyncio.gather(first, second), 10)
+
+
+def test_the_reactors_of_closed_loops_are_let_go() -> None:
+    """Each loop that awaits polled work gets a reactor, which refers to its
+    loop: once the loop is closed, the next new reactor drops it, so a program
+    that runs loop after loop (``asyncio.run`` in a loop) keeps neither the loops
+    nor the streams their unfinished awaits held."""
+    import gc
+    import weakref
+    from collections import deque
+
+    gone = []
+    for _ in range(20):
+        loop = asyncio.new_event_loop()
+        stream = RecordingStream()
+        reactor_for(loop).pending[stream] = deque()  # (an await the loop never saw end)
+        gone += [weakref.ref(loop), weakref.ref(stream)]
+        loop.close()
+        del loop, stream
+    reactor_for(asyncio.new_event_loop()).loop.close()
+    gc.collect()
+    assert [r for r in gone if r() is not None] == []
+    assert sum(lp.is_closed() for lp in list(_engine._reactors)) <= 1  # (the last one's)

@@ -116,6 +116,7 @@ class CudaBackend:
 
     api = "cuda"
     polled = True
+    memory_is_host = False
 
     def __init__(self, device_id: int) -> None:
         count = _init_driver()

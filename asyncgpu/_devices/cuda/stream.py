@@ -218,6 +218,26 @@ class CudaStream(_PolledStream):
         # Kept buffers are freed on this stream while it lives: at close, or at
         # interpreter exit (before cuda.core's teardown) if it is never closed.
         self._free_spare = weakref.finalize(self, _free_spare, self.spare, backend, self.cs)
+        # What the driver gave this stream goes back at close, or, for a stream of
+        # a context dropped without close, once the stream is collected: that is
+        # only after its work has finished (work in flight keeps the stream
+        # reachable, from the watcher's sweep or the CPU pool). Not at
+        # interpreter exit, which may still wait for the stream's work: the
+        # process's end frees it then.
+        self._release = weakref.finalize(
+            self,
+            _release_stream,
+            self.spare,
+            backend,
+            self.cs,
+            raw if self.owned else None,
+            (self.caddr, self.saddr),
+            self._marker_lock,
+            self._free_events,
+            self._copy_marks,
+            self._events,
+        )
+        self._release.atexit = False
 
     def handle(self) -> int:
         return self.h
@@ -686,6 +706,8 @@ class CudaStream(_PolledStream):
 
     def record(self, ev: _UserEvent) -> None:
         with self._submit_lock:
+            if self._closing:
+                self._refuse_closed()
             if ev._handle is not None:
                 self._issue(0, _record, ev._handle, self.raw)
             if not self.owned:
@@ -800,19 +822,39 @@ class CudaStream(_PolledStream):
 
     def close(self) -> None:
         watcher.forget(self)
-        self._free_spare()
+        self._free_spare.detach()
         self.is_closed = True
         _leave_queues(self._queues, self)
-        with self._marker_lock:
-            marks = [*(self._events or ()), *self._copy_marks]
-            for e in [*self._free_events, *(x[1] for x in marks)]:
-                cu.cuEventDestroy(e)
-            self._free_events.clear()
-            self._copy_marks.clear()
-        if self.owned:
-            cu.cuStreamDestroy(self.raw)
-        _slab.give_back(self.caddr)
-        _slab.give_back(self.saddr)
+        self._release()
+
+
+def _release_stream(
+    spare: Any,
+    backend: _StreamDevice,
+    cs: Any,
+    raw: Any,
+    counters: tuple[int, int],
+    marker_lock: Any,
+    free_events: list[Any],
+    copy_marks: deque[tuple[int, Any]],
+    events: deque[tuple[int, Any]] | None,
+) -> None:
+    """Give back what the driver gave a stream: the buffers it kept (freed on it
+    first), its marker events, the stream itself (``cuStreamDestroy``, where it
+    owns it) and its counter slots. Called once: at the stream's close, or when
+    a stream nobody closed is collected. (Holds nothing of the stream object,
+    which a finalizer must not.)"""
+    _free_spare(spare, backend, cs)
+    with marker_lock:
+        marks = [*(events or ()), *copy_marks]
+        for e in [*free_events, *(x[1] for x in marks)]:
+            cu.cuEventDestroy(e)
+        free_events.clear()
+        copy_marks.clear()
+    if raw is not None:
+        cu.cuStreamDestroy(raw)
+    for addr in counters:
+        _slab.give_back(addr)
 
 
 def _in_pool(
