@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+from _draw import draw  # examples/_draw.py: the timeline through the command line
 
 from asyncgpu import DeviceContext, Kernel, ThreadBlock
 
@@ -138,30 +138,6 @@ async def main(argv: list[str] | None = None) -> int:
     print(f"trace:    {trace_path}")
     draw(trace_path, out_dir / "dag-timeline.png", "dag: A, B -> C; A -> D; C, D -> E")
     return 0
-
-
-def draw(trace_json: Path, png: Path, title: str) -> None:
-    """Draw the saved trace with asyncgpu's command line (``python -m asyncgpu trace``),
-    which needs matplotlib (the ``plot`` extra); without it, say so and go on."""
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "asyncgpu",
-            "trace",
-            str(trace_json),
-            "--png",
-            str(png),
-            "--title",
-            title,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode == 0:
-        print(f"timeline: {png}")
-    else:
-        print(f"timeline: skipped ({r.stderr.strip() or r.stdout.strip()})")
 
 
 if __name__ == "__main__":
