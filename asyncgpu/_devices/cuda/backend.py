@@ -61,7 +61,7 @@ from .memory import (
 from .stream import CudaStream
 
 if TYPE_CHECKING:
-    from ..._core.graph import GraphDefinition
+    from ..._core.graph import GraphDefinition, GraphParams
     from ..._core.memory import ContextView as DeviceContext
     from ..._core.state import _ContextState
     from ..._types import ConstantMemoryMapping, FuncAttribute, LaunchAttribute
@@ -899,11 +899,11 @@ class CudaBackend:
         else:
             cu.cuEventDestroy(stamp)
 
-    def graph(self, definition: GraphDefinition) -> CudaGraph:
+    def graph(self, definition: GraphDefinition, params: GraphParams) -> CudaGraph:
         """A finished graph definition as driver graphs, instantiated now (one per
         stage between CPU nodes: ``cuGraphCreate``, ``cuGraphAdd*Node``,
         ``cuGraphInstantiate``; blocks while the driver builds them)."""
-        return CudaGraph(self, definition)
+        return CudaGraph(self, definition, params)
 
     def close(self) -> None:
         # The primary context stays retained for the process: other contexts of the

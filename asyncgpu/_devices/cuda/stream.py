@@ -56,7 +56,6 @@ from .driver import (
     _SUCCESS,
     _check,
     _error,
-    _graph_launch,
     _memcpy,
     _memset,
     _record,
@@ -475,23 +474,19 @@ class CudaStream(_PolledStream):
                 self._after_copy = True
             return self._mark(keep)
 
-    def graph_launch(self, exe: Any, keep: Any) -> DeviceEvent:
-        """``cuGraphLaunch`` of an instantiated graph (a ``CUgraphExec``) in stream
-        order: it starts after the stream's earlier work, and later work waits
-        for all of it. Never blocks the host; a stream held behind host work
-        queues the launch. ``keep`` (the graph) lives until the launch is seen
-        to finish."""
+    def graph_launch(self, graph: Any, exe: Any, params: Any) -> DeviceEvent:
+        """``cuGraphLaunch`` of the instantiated graph ``exe`` (a ``CUgraphExec``
+        of the device graph ``graph``, which makes the call with the parameters
+        ``params``: ``CudaGraph.launch``) in stream order: it starts after the
+        stream's earlier work, and later work waits for all of it. Never blocks
+        the host; a stream held behind host work queues the launch. ``graph``
+        and ``params`` live until the launch is seen to finish."""
         self.backend.make_current()
         with self._submit_lock:
             self._before_submit()
-            if self._pending is None:
-                err = cu.cuGraphLaunch(exe, self.raw)[0]
-                if err != _SUCCESS:
-                    raise _error(err, "cuGraphLaunch")
-            else:
-                self._pending.append((self._seq + 1, partial(_graph_launch, exe, self.raw)))
+            self._issue(self._seq + 1, graph.launch, exe, params, self.raw)
             self._after_copy = False
-            ev = self._mark(keep)
+            ev = self._mark((graph, params))
         self._prune()
         return ev
 
