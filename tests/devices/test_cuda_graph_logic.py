@@ -70,6 +70,9 @@ class _Definition(_Node):
     def empty(self) -> _Node:
         return self._add("empty")
 
+    def __int__(self) -> int:  # (as the handle of its executable graph)
+        return id(self)
+
     def instantiate(self) -> Any:
         return _Exec(self)
 
@@ -166,7 +169,8 @@ class _Stream:
         self.calls: list[Any] = []
         self.held: list[Any] | None = None
 
-    def graph_launch(self, graph: Any, exe: Any, params: Any) -> str:
+    def graph_launch(self, graph: Any, exe: Any, handle: int, params: Any) -> str:
+        assert handle == int(exe)
         self.calls.append(("launch", exe))
         if self.held is not None:
             self.held.append(lambda: graph.launch(exe, params, "raw"))

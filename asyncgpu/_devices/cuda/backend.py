@@ -98,12 +98,13 @@ def _bind_native() -> None:
             _entry_point("cuEventRecord"),
             _entry_point("cuEventQuery"),
             _entry_point("cuMemcpyAsync"),
+            _entry_point("cuGraphLaunch"),
         )
     except (DeviceError, ValueError) as e:
         raise NoDeviceError(
             "the CUDA driver is older than 12.0 or incomplete: asyncgpu needs its "
-            "cuLaunchKernel, cuStreamWriteValue64, cuEventRecord, cuEventQuery and "
-            f"cuMemcpyAsync entry points (cuGetProcAddress, CUDA 12.0 API): {e}"
+            "cuLaunchKernel, cuStreamWriteValue64, cuEventRecord, cuEventQuery, "
+            f"cuMemcpyAsync and cuGraphLaunch entry points (cuGetProcAddress, CUDA 12.0 API): {e}"
         ) from None
     native.configure(
         DeviceEvent, watcher.sweep_later, _PolledStream.MARK_EVERY, CudaStream, _DeviceAlloc

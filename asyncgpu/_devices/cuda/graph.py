@@ -70,6 +70,7 @@ class CudaGraph:
         self.params = params  # the current version (an update replaces it)
         self._graphs: list[Any] = []  # cuda.core's executable graphs (they own the exec)
         self.steps: list[tuple[Any, list[DeviceGraphNode] | None]] = []
+        self._handles: dict[int, int] = {}  # per step: its CUgraphExec as an int (for C)
         # Per graph node with parameters in a driver graph: its executable graph
         # and the cuda.core nodes that carry them (two for 8-byte memsets).
         self._exec_nodes: dict[int, tuple[Any, list[Any]]] = {}
@@ -79,16 +80,21 @@ class CudaGraph:
             else:
                 exe, made = _instantiate(nodes, params.ops)
                 self._graphs.append(exe)
+                self._handles[len(self.steps)] = int(exe.handle)
                 self.steps.append((exe.handle, None))
                 for i, core_nodes in made.items():
                     self._exec_nodes[i] = (exe, core_nodes)
         self._cpu = any(n.kind == CPU for n in definition.nodes)
         only = self.steps[0][0] if len(self.steps) == 1 else None
         self._single = only
+        self._single_h = self._handles.get(0, 0)
         # The extension's RLock: every driver call on the executable graphs is
-        # made holding it (after the stream's submit lock, never before).
+        # made holding it (after the stream's submit lock, never before), which
+        # the compiled launch (``StreamCore._graph_c``) takes without Python.
         self.lock = _accel.native.RLock()
-        self.applied: tuple[Any, ...] | None = params.ops  # what the driver graphs hold
+        # What the driver graphs hold: a list of one, which the compiled launch
+        # reads (None while partly set).
+        self.applied: list[tuple[Any, ...] | None] = [params.ops]
 
     def replay(self, stream: CudaStream) -> DeviceEvent:
         """Enqueue one replay on ``stream`` (``cuGraphLaunch`` per device stage,
@@ -99,13 +105,13 @@ class CudaGraph:
         params = self.params
         single = self._single
         if single is not None:
-            return stream.graph_launch(self, single, params)
+            return stream.graph_launch(self, single, self._single_h, params)
         errors: list[BaseException] = []
         ev: DeviceEvent | None = None
         last = len(self.steps) - 1
         for k, (exe, nodes) in enumerate(self.steps):
             if exe is not None:
-                ev = stream.graph_launch(self, exe, params)
+                ev = stream.graph_launch(self, exe, self._handles[k], params)
             else:
                 ev = stream.cpu_call(run_cpu_nodes, (nodes, params, errors, k == last), {})
         if self._cpu and self.steps[last][0] is not None:
@@ -123,7 +129,7 @@ class CudaGraph:
         driver graphs since), under the graph's lock; the caller holds the
         stream's submit lock. Enqueues and returns."""
         with self.lock:
-            if self.applied is not params.ops:
+            if self.applied[0] is not params.ops:
                 self._apply(params.ops)
             err = cu.cuGraphLaunch(exe, raw)[0]
         if err != _SUCCESS:
@@ -145,7 +151,7 @@ class CudaGraph:
             try:
                 self._apply(new.ops)
             except BaseException:
-                self.applied = None  # (partly set: the next launch sets its own again)
+                self.applied[0] = None  # (partly set: the next launch sets its own again)
                 raise
             self.params = new
 
@@ -153,14 +159,14 @@ class CudaGraph:
         """Set in the driver graphs the parameters of every node whose operation
         in ``ops`` differs from what they hold (under the lock)."""
         self.backend.make_current()
-        was = self.applied
-        self.applied = None
+        was = self.applied[0]
+        self.applied[0] = None
         for i, (exe, core_nodes) in self._exec_nodes.items():
             op = ops[i]
             if was is not None and was[i] is op:
                 continue
             _set_params(exe, core_nodes, op)
-        self.applied = ops
+        self.applied[0] = ops
 
 
 def _kernel_parts(op: KernelOp) -> tuple[Any, Any]:

@@ -474,19 +474,27 @@ class CudaStream(_PolledStream):
                 self._after_copy = True
             return self._mark(keep)
 
-    def graph_launch(self, graph: Any, exe: Any, params: Any) -> DeviceEvent:
-        """``cuGraphLaunch`` of the instantiated graph ``exe`` (a ``CUgraphExec``
-        of the device graph ``graph``, which makes the call with the parameters
-        ``params``: ``CudaGraph.launch``) in stream order: it starts after the
-        stream's earlier work, and later work waits for all of it. Never blocks
-        the host; a stream held behind host work queues the launch. ``graph``
-        and ``params`` live until the launch is seen to finish."""
+    def graph_launch(self, graph: Any, exe: Any, handle: int, params: Any) -> DeviceEvent:
+        """``cuGraphLaunch`` of the instantiated graph ``exe`` (a ``CUgraphExec``,
+        ``handle`` as an int) of the device graph ``graph`` with the parameters
+        ``params``, in stream order: it starts after the stream's earlier work,
+        and later work waits for all of it. Never blocks the host; a stream held
+        behind host work queues the launch. ``graph`` and ``params`` live until
+        the launch is seen to finish. In one compiled call
+        (``StreamCore._graph_c``: the marker rules, the driver call under the
+        graph's lock, the event, the prune) while the driver graph holds
+        ``params``; else the graph makes the call (``CudaGraph.launch``, which
+        sets them first)."""
+        keep = (graph, params)
+        ev = self._graph_c(handle, graph.lock, graph.applied, params.ops, keep)
+        if ev is not None:
+            return ev  # type: ignore[no-any-return]
         self.backend.make_current()
         with self._submit_lock:
             self._before_submit()
             self._issue(self._seq + 1, graph.launch, exe, params, self.raw)
             self._after_copy = False
-            ev = self._mark((graph, params))
+            ev = self._mark(keep)
         self._prune()
         return ev
 
