@@ -488,7 +488,7 @@ class CudaStream(_PolledStream):
         keep = (graph, params)
         ev = self._graph_c(handle, graph.lock, graph.applied, params.ops, keep)
         if ev is not None:
-            return ev  # type: ignore[no-any-return]
+            return ev  # type: ignore[return-value]
         self.backend.make_current()
         with self._submit_lock:
             self._before_submit()
