@@ -430,14 +430,16 @@ class DeviceGraph:
     """A device graph, instantiated once and replayed as one operation.
 
     ``DeviceGraph.create(ctx, build)`` builds it; ``await graph.replay()`` runs
-    every node once, in dependency order, on the context's current stream.
+    every node once, in dependency order, on the context's current stream;
+    ``graph.update(node, ...)`` changes a node's parameters for later replays.
 
     Lifetime: the graph holds every buffer, function and argument its nodes
-    name, and each replay holds the graph until it has finished, so nothing a
-    replay uses is freed before the replay ends, whatever the program drops.
-    While the graph exists, and until its last replay has ended,
-    ``take_ptr()`` on a buffer it uses raises ``ValueError`` (the memory would
-    leave asyncgpu's hands while a replay may still use it)."""
+    name (the current parameters), and each replay holds the graph and the
+    parameters it runs with until it has finished, so nothing a replay uses is
+    freed before the replay ends, whatever the program drops or updates. While
+    the graph names a buffer, and until the last replay using it has ended,
+    ``take_ptr()`` on it raises ``ValueError`` (the memory would leave
+    asyncgpu's hands while a replay may still use it)."""
 
     __slots__ = ("__weakref__", "_ctx", "_def", "_exec")
 
