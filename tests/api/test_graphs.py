@@ -492,6 +492,38 @@ async def test_an_update_leaves_replays_enqueued_before_it_as_they_were(
     assert log == [("first", 2), ("first", 11), ("second", 11)] + [("third", 21)] * rounds
 
 
+@pytest.mark.asyncio
+async def test_replays_held_behind_host_work_each_run_with_their_own_version(
+    ctx: DeviceContext, gate
+) -> None:
+    """An update between every two replays, all held behind a gate: each replay
+    sets its own value and copies into its own host buffer (on CUDA every held
+    launch sets its version's parameters again before it goes in)."""
+    x = ctx.enqueue_create_buffer(np.int32, N)
+    rounds = 40
+    outs = [ctx.enqueue_create_host_buffer(np.int32, N) for _ in range(rounds)]
+    nodes: list[DeviceGraphNode] = []
+
+    def build(b: DeviceGraphBuilder) -> None:
+        set_x = b.add_memset(x, -1)
+        nodes[:] = [set_x, b.add_copy(outs[0], x, dependencies=[set_x])]
+
+    graph = DeviceGraph.create(ctx, build)
+    set_x, copy = nodes
+    g = gate()
+    ctx.enqueue_cpu_function(g)
+    held = []
+    for i, out in enumerate(outs):
+        graph.update(set_x, value=i)
+        graph.update(copy, dst=out)
+        held.append(graph.replay())
+    g.open()
+    for ev in held:
+        await ev
+    for i, out in enumerate(outs):
+        assert (out.as_numpy() == i).all(), i
+
+
 def test_the_graph_holds_new_buffers_and_drops_old_ones_after_their_replays(
     ctx: DeviceContext, gate
 ) -> None:
