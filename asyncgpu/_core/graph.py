@@ -24,7 +24,6 @@ taken out of asyncgpu's hands (``take_ptr``): ``memory`` counts the uses
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -100,6 +99,22 @@ class CpuOp:
         self.fn, self.args = fn, args
 
 
+class _Pins:
+    """The memory of one node's buffers, pinned against ``take_ptr`` while any
+    version naming that operation lives (versions share the pins of the nodes
+    an update left alone, so an update pins one node's memory, not the
+    graph's)."""
+
+    __slots__ = ("allocs",)
+
+    def __init__(self, buffers: tuple[_BufferBase, ...]) -> None:
+        self.allocs = [b._alloc for b in buffers if b._alloc is not None]
+        pin_allocations(self.allocs)
+
+    def __del__(self, _unpin: Callable[[list[Any]], None] = unpin_allocations) -> None:
+        _unpin(self.allocs)
+
+
 class GraphParams:
     """One version of the parameters of a graph's nodes: ``ops[i]`` is node
     ``i``'s operation (``KernelOp``, ``CopyOp``, ``MemsetOp``, ``CpuOp``, or
@@ -108,24 +123,29 @@ class GraphParams:
     was enqueued with however the graph is updated meanwhile. While it lives,
     the memory of its buffers cannot be taken (``take_ptr``)."""
 
-    __slots__ = ("__weakref__", "buffers", "ops")
+    __slots__ = ("_pins", "buffers", "ops")
 
-    def __init__(self, ops: tuple[Any, ...], buffers: tuple[tuple[_BufferBase, ...], ...]) -> None:
+    def __init__(
+        self,
+        ops: tuple[Any, ...],
+        buffers: tuple[tuple[_BufferBase, ...], ...],
+        pins: tuple[_Pins | None, ...] | None = None,
+    ) -> None:
         self.ops = ops
         self.buffers = buffers
-        allocs = list(
-            {id(b._alloc): b._alloc for bs in buffers for b in bs if b._alloc is not None}.values()
-        )
-        pin_allocations(allocs)
-        weakref.finalize(self, unpin_allocations, allocs)
+        if pins is None:
+            pins = tuple(_Pins(bs) if bs else None for bs in buffers)
+        self._pins = pins
 
     def replaced(self, index: int, op: Any, buffers: Sequence[Any]) -> GraphParams:
         """A new version: this one with node ``index``'s operation replaced."""
-        ops = list(self.ops)
-        bufs = list(self.buffers)
-        ops[index] = op
-        bufs[index] = tuple(b for b in buffers if isinstance(b, _BufferBase))
-        return GraphParams(tuple(ops), tuple(bufs))
+        bufs = tuple(b for b in buffers if isinstance(b, _BufferBase))
+        j = index + 1
+        return GraphParams(
+            (*self.ops[:index], op, *self.ops[j:]),
+            (*self.buffers[:index], bufs, *self.buffers[j:]),
+            (*self._pins[:index], _Pins(bufs) if bufs else None, *self._pins[j:]),
+        )
 
 
 class GraphDefinition:

@@ -148,16 +148,22 @@ class CudaGraph:
         self.backend.make_current()
         with self.lock:
             new = self.params.replaced(index, op, buffers)
-            try:
+            if self.applied[0] is self.params.ops:
+                # The driver graphs hold the current version: only this node differs.
+                self.applied[0] = None  # (until set: a failure leaves it so)
+                carriers = self._exec_nodes.get(index)
+                if carriers is not None:
+                    _set_params(carriers[0], carriers[1], op)
+                self.applied[0] = new.ops
+            else:
                 self._apply(new.ops)
-            except BaseException:
-                self.applied[0] = None  # (partly set: the next launch sets its own again)
-                raise
             self.params = new
 
     def _apply(self, ops: tuple[Any, ...]) -> None:
         """Set in the driver graphs the parameters of every node whose operation
-        in ``ops`` differs from what they hold (under the lock)."""
+        in ``ops`` differs from what they hold, all of them when that is not
+        known (under the lock; a failure leaves ``applied`` unknown, so the next
+        launch sets its own version again)."""
         self.backend.make_current()
         was = self.applied[0]
         self.applied[0] = None
