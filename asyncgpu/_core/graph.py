@@ -36,7 +36,8 @@ KERNEL, COPY, MEMSET, CPU, EMPTY = "kernel", "copy", "memset", "cpu", "empty"
 
 class DeviceGraphNode:
     """A node of a device graph under construction: what a ``DeviceGraphBuilder``
-    method returns, passed in later calls' ``dependencies``. A node belongs to
+    method returns, passed in later calls' ``dependencies`` (and, once the
+    graph is made, to ``DeviceGraph.update``). A node belongs to
     the one graph whose builder made it. ``kind`` says what it does:
     ``"kernel"``, ``"copy"``, ``"memset"``, ``"cpu"`` (a CPU function) or
     ``"empty"`` (a join)."""
