@@ -38,12 +38,15 @@ typedef int (*write64_fn)(void *, unsigned long long, unsigned long long, unsign
 typedef int (*record_fn)(void *, void *);
 typedef int (*query_fn)(void *);
 typedef int (*memcpy_fn)(unsigned long long, unsigned long long, size_t, void *);
+typedef int (*graph_launch_fn)(void *, void *);
 
 static launch_fn p_launch = NULL;
 static write64_fn p_write64 = NULL;
 static record_fn p_record = NULL; /* cuEventRecord, or NULL: counter markers only */
 static query_fn p_query = NULL;   /* cuEventQuery */
 static memcpy_fn p_memcpy = NULL; /* cuMemcpyAsync, or NULL: copies through Python */
+/* cuGraphLaunch, or NULL: graph launches through Python */
+static graph_launch_fn p_graph_launch = NULL;
 static PyObject *s_ptr, *s_alloc, *s_ctx, *s_state, *s_closed; /* attribute names */
 
 /* Argument codes of a plan (one byte per argument). */
@@ -85,28 +88,31 @@ static int as_u64(PyObject *o, unsigned long long *out) {
 }
 
 static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    unsigned long long a, b, r = 0, q = 0, m = 0;
+    unsigned long long a, b, r = 0, q = 0, m = 0, g = 0;
     PyObject *prev;
-    if (n != 2 && n != 4 && n != 5) {
+    if (n != 2 && n != 4 && n != 5 && n != 6) {
         PyErr_SetString(PyExc_TypeError, "bind(launch_entry, write64_entry[, record_entry, "
-                                         "query_entry[, memcpy_entry]])");
+                                         "query_entry[, memcpy_entry[, graph_launch_entry]]])");
         return NULL;
     }
     if (as_u64(args[0], &a) || as_u64(args[1], &b))
         return NULL;
     if (n >= 4 && (as_u64(args[2], &r) || as_u64(args[3], &q)))
         return NULL;
-    if (n == 5 && as_u64(args[4], &m))
+    if (n >= 5 && as_u64(args[4], &m))
+        return NULL;
+    if (n == 6 && as_u64(args[5], &g))
         return NULL;
     if (!a || !b || (r == 0) != (q == 0)) {
         PyErr_SetString(PyExc_ValueError, "a driver entry point is NULL");
         return NULL;
     }
-    prev = Py_BuildValue("(KKKKK)", (unsigned long long)(uintptr_t)p_launch,
+    prev = Py_BuildValue("(KKKKKK)", (unsigned long long)(uintptr_t)p_launch,
                          (unsigned long long)(uintptr_t)p_write64,
                          (unsigned long long)(uintptr_t)p_record,
                          (unsigned long long)(uintptr_t)p_query,
-                         (unsigned long long)(uintptr_t)p_memcpy);
+                         (unsigned long long)(uintptr_t)p_memcpy,
+                         (unsigned long long)(uintptr_t)p_graph_launch);
     if (prev == NULL)
         return NULL;
     p_launch = (launch_fn)(uintptr_t)a;
@@ -114,6 +120,7 @@ static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     p_record = (record_fn)(uintptr_t)r; /* two entry points: no event markers */
     p_query = (query_fn)(uintptr_t)q;
     p_memcpy = (memcpy_fn)(uintptr_t)m; /* 0: CudaStream.copy takes the Python path */
+    p_graph_launch = (graph_launch_fn)(uintptr_t)g; /* 0: CudaStream.graph_launch in Python */
     return prev;
 }
 
@@ -1993,6 +2000,7 @@ static PyObject *stream_completed_fast(PyObject *self, PyObject *unused);
 
 static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
+static PyObject *stream_graph_method(PyObject *self, PyObject *const *args, Py_ssize_t n);
 static PyObject *stream_before_submit(PyObject *self, PyObject *unused);
 static PyObject *stream_prune_method(PyObject *self, PyObject *unused);
 static PyObject *stream_record_marker_method(PyObject *self, PyObject *arg);
@@ -2012,6 +2020,10 @@ static PyMethodDef stream_methods[] = {
     {"_copy_c", (PyCFunction)(void (*)(void))stream_copy_method, METH_FASTCALL,
      "_copy_c(dst, src, nbytes, keep) -> DeviceEvent, or None: CudaStream.copy's "
      "submission in one call (None: the stream is held; the Python path queues it)."},
+    {"_graph_c", (PyCFunction)(void (*)(void))stream_graph_method, METH_FASTCALL,
+     "_graph_c(exe, lock, applied, want, keep) -> DeviceEvent, or None: "
+     "CudaStream.graph_launch's submission in one call (None: held, unbound, or "
+     "the graph's parameters are to be set first; the Python path takes it)."},
     {"_before_submit", stream_before_submit, METH_NOARGS,
      "Under _submit_lock, before a new operation is submitted: the marker rules "
      "(_PolledStream._before_submit's docstring)."},
@@ -3016,6 +3028,82 @@ static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ss
     if (begin_submit(s, &sh))
         return NULL;
     return end_submit(s, &sh, copy_locked(s, dst, src, nbytes, args[3]));
+}
+
+/* The graph launch proper, under the stream's submit lock: a new event, None
+ * (the Python path takes it), or NULL with an exception. The graph's lock is
+ * taken after the submit lock, as the Python path and a held launch take it. */
+static PyObject *graph_locked(StreamCore *s, unsigned long long exe, RLockObject *lock,
+                              PyObject *applied, PyObject *want, PyObject *keep) {
+    int err = 0;
+    if (!is_none(s->pending))
+        Py_RETURN_NONE; /* held behind host work */
+    if (before_submit(s))
+        return NULL;
+    if (!is_none(s->pending))
+        Py_RETURN_NONE; /* the marker above was held (another thread held the stream) */
+    if (rlock_take(lock, 1, -1) != 1) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "asyncgpu: a lock was not taken");
+        return NULL;
+    }
+    if (PyList_GetItem(applied, 0) != want) {
+        /* An update changed the graph's parameters since this replay took its own:
+         * the Python path sets them again first. */
+        if (rlock_give(lock))
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    /* The GIL is released as cuda.bindings does: a launch can wait for room in the
+     * device's queue, and a pool thread may need the GIL meanwhile. */
+    Py_BEGIN_ALLOW_THREADS
+    err = p_graph_launch((void *)(uintptr_t)exe, (void *)(uintptr_t)s->h);
+    Py_END_ALLOW_THREADS
+    if (rlock_give(lock))
+        return NULL;
+    if (err != 0) {
+        PyObject *r = PyObject_CallMethod((PyObject *)s, "_driver_error", "is", err,
+                                          "cuGraphLaunch");
+        Py_XDECREF(r);
+        if (r != NULL)
+            PyErr_SetString(PyExc_RuntimeError, "asyncgpu: _driver_error returned");
+        return NULL;
+    }
+    s->after_copy = 0;
+    return mark_submitted(s, keep);
+}
+
+/* StreamCore._graph_c(exe, lock, applied, want, keep) -> DeviceEvent, or None.
+ *
+ * CudaStream.graph_launch in one call: under the stream's submit lock, the
+ * marker rules of _before_submit, then under the graph's lock (an RLock of this
+ * extension) cuGraphLaunch of the CUgraphExec `exe` (an int), the event
+ * (keeping `keep` alive) appended to the stream's in-flight queue, the marker
+ * when the stream is eager; then _prune. The launch is made only while
+ * applied[0] (a list: the parameters the driver graph holds) is `want` (the
+ * replay's). None, with nothing submitted, when cuGraphLaunch is not bound, the
+ * stream is held behind host work, or the parameters differ. */
+static PyObject *stream_graph_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    StreamCore *s = (StreamCore *)self;
+    unsigned long long exe;
+    Held sh;
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "_graph_c(exe, lock, applied, want, keep)");
+        return NULL;
+    }
+    if (p_graph_launch == NULL || event_type == NULL || !is_none(s->pending))
+        Py_RETURN_NONE;
+    if (Py_TYPE(args[1]) != rlock_type || !PyList_Check(args[2]) || PyList_Size(args[2]) != 1) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_graph_c: lock must be an asyncgpu._native.RLock, applied a list of one");
+        return NULL;
+    }
+    if (as_u64(args[0], &exe))
+        return NULL;
+    if (begin_submit(s, &sh))
+        return NULL;
+    return end_submit(s, &sh,
+                      graph_locked(s, exe, (RLockObject *)args[1], args[2], args[3], args[4]));
 }
 
 /* ---------------------------------------------------------------------------------

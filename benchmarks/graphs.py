@@ -15,6 +15,8 @@ Rows (wall time per round trip, median):
 * ``replay_host`` / ``raw_launch_host`` (the latter CUDA): host time of one
   ``replay()`` / one ``cuGraphLaunch`` call, the stream synchronized every
   ``--batch`` calls (outside the timed calls);
+* ``update_host``: host time of one ``graph.update`` of a kernel node's
+  arguments (on CUDA one ``cuGraphExecKernelNodeSetParams``);
 * ``tasks_replay`` / ``tasks_enqueue``: ``--tasks`` asyncio tasks, each awaiting
   ``--rounds`` replays of a graph of ``--small`` kernels on its stream, against
   the same kernels enqueued one by one (chains per second, whole run).
@@ -95,6 +97,10 @@ def run(
         ctx.synchronize()
         out["replay_host"] = H.summarize_ns(
             _host_times(graph.replay, ctx.synchronize, repeats, batch)
+        )
+        first = graph._def.nodes[0]  # (a kernel node of the chain)
+        out["update_host"] = H.summarize_ns(
+            _host_times(lambda: graph.update(first, x, n), ctx.synchronize, repeats, batch)
         )
         # Every round added ``kernels`` to each element: a lost kernel shows here.
         host = ctx.enqueue_create_host_buffer(np.int32, 256)

@@ -1,7 +1,8 @@
 """A stand-in for the driver entry points that ``asyncgpu._native`` calls
 (``cuLaunchKernel``, ``cuStreamWriteValue64``; with ``events``, also
-``cuEventRecord``, ``cuEventQuery`` and ``cuMemcpyAsync``): C-callable ctypes
-functions that record what they were given and answer what the test says."""
+``cuEventRecord``, ``cuEventQuery``, ``cuMemcpyAsync`` and ``cuGraphLaunch``):
+C-callable ctypes functions that record what they were given and answer what
+the test says."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ _QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _MEMCPY = ctypes.CFUNCTYPE(
     ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
 )
+_GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
@@ -46,6 +48,8 @@ class Driver:
     record_result: int = 0
     copies: list[tuple[int, int, int, int]] = field(default_factory=list)  # (dst, src, n, stream)
     copy_result: int = 0
+    graph_launches: list[tuple[int, int]] = field(default_factory=list)  # (exec, stream)
+    graph_launch_result: int = 0
 
 
 @contextmanager
@@ -76,9 +80,13 @@ def bound_stand_in(events: bool = False) -> Iterator[Driver]:
         d.copies.append((dst, src, nbytes, stream or 0))
         return d.copy_result
 
+    def graph_launch(exe, stream):
+        d.graph_launches.append((exe or 0, stream or 0))
+        return d.graph_launch_result
+
     fns = [_LAUNCH(launch), _WRITE64(write64)]
     if events:
-        fns += [_RECORD(record), _QUERY(query), _MEMCPY(memcpy)]
+        fns += [_RECORD(record), _QUERY(query), _MEMCPY(memcpy), _GRAPH_LAUNCH(graph_launch)]
     prev = _native.bind(*(ctypes.cast(f, ctypes.c_void_p).value for f in fns))
     try:
         yield d

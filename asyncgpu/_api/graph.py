@@ -76,16 +76,6 @@ class DeviceGraphBuilder:
                 deps = self._def.dep_indices((), (*outer, *deps))
         return deps
 
-    def _buffer(self, b: _BufferBase) -> None:
-        """A buffer the graph will use: usable, and of this context."""
-        b._check()
-        state = self._ctx._state
-        if b._ctx._state is not state:
-            raise ValueError(
-                f"this buffer belongs to another context ({b._ctx._state.describe()}); a graph "
-                f"uses only buffers of the context it is built for ({state.describe()})"
-            )
-
     def add_function(
         self,
         f: DeviceFunction | Any,
@@ -108,18 +98,7 @@ class DeviceGraphBuilder:
         if fn._ctx._state is not ctx._state:
             raise ValueError("this DeviceFunction was compiled for another context")
         cfg = ctx._launch_config(fn, grid_dim, block_dim, None, shared_mem_bytes, ())
-        buffers = []
-        for n, a in enumerate(args):
-            kind = kernel_arg_kind(n, a)
-            if kind == ARG_FOREIGN:
-                raise TypeError(
-                    f"kernel argument {n}: a graph takes DeviceBuffers, HostBuffers and NumPy "
-                    f"scalars, not another library's array ({type(a).__name__}); copy it into "
-                    "a DeviceBuffer"
-                )
-            if kind == ARG_BUFFER:
-                self._buffer(a)
-                buffers.append(a)
+        buffers = _kernel_buffers(ctx, args)
         return self._def.add(KERNEL, KernelOp(fn, args, cfg), deps, buffers)
 
     def add_copy(
@@ -133,15 +112,7 @@ class DeviceGraphBuilder:
         ``enqueue_copy``. NumPy arrays and raw addresses are not taken: copy
         through a ``HostBuffer``."""
         deps = self._deps(dependencies)
-        for x, name in ((dst, "dst"), (src, "src")):
-            if not isinstance(x, (DeviceBuffer, HostBuffer)):
-                raise TypeError(
-                    f"add_copy: {name} must be a DeviceBuffer or HostBuffer (a graph copies "
-                    f"between buffers; stage arrays through a HostBuffer), not {type(x).__name__}"
-                )
-            self._buffer(x)
-        d, s, nbytes = copy_operands(self._ctx, dst, src, None, None)
-        return self._def.add(COPY, CopyOp(d, s, nbytes), deps, (dst, src))
+        return self._def.add(COPY, _copy_op(self._ctx, dst, src), deps, (dst, src))
 
     def add_memset(
         self, buf: DeviceBuffer, value: Any, dependencies: _NodeList = ()
@@ -151,17 +122,7 @@ class DeviceGraphBuilder:
         8-byte elements as two 4-byte memsets of every other word). A
         ``HostBuffer`` is filled by a CPU function node instead."""
         deps = self._deps(dependencies)
-        if not isinstance(buf, DeviceBuffer):
-            raise TypeError(
-                f"add_memset sets a DeviceBuffer, not {type(buf).__name__} (fill a HostBuffer "
-                "with add_cpu_function)"
-            )
-        self._buffer(buf)
-        check_writable(buf)
-        v = _scalar_for(buf._dtype, value)
-        if buf._dtype.itemsize not in (1, 2, 4, 8):
-            raise TypeError(f"memset supports 1, 2, 4 and 8-byte elements, not {buf._dtype}")
-        return self._def.add(MEMSET, MemsetOp(buf, v, buf._size), deps, (buf,))
+        return self._def.add(MEMSET, _memset_op(self._ctx, buf, value), deps, (buf,))
 
     def add_cpu_function(
         self, fn: Callable[..., Any], *args: Any, dependencies: _NodeList = ()
@@ -229,6 +190,80 @@ class DeviceGraphBuilder:
     def context(self) -> DeviceContext:
         """The context the graph is built for."""
         return self._ctx
+
+
+# -- the checks of a node's operation, made when it is added and when it is updated ---------
+
+
+def _check_buffer(ctx: DeviceContext, b: _BufferBase) -> None:
+    """A buffer the graph will use: usable, and of the graph's context."""
+    b._check()
+    state = ctx._state
+    if b._ctx._state is not state:
+        raise ValueError(
+            f"this buffer belongs to another context ({b._ctx._state.describe()}); a graph "
+            f"uses only buffers of the context it is built for ({state.describe()})"
+        )
+
+
+def _kernel_buffers(ctx: DeviceContext, args: tuple[Any, ...]) -> list[_BufferBase]:
+    """The buffers among a kernel node's arguments, every argument checked: the
+    kinds ``enqueue_function`` takes (by ``kernel_arg_kind``), another library's
+    array excepted, and buffers of the graph's context. (The device checks the
+    count and sizes against the kernel when it makes or updates the node.)"""
+    buffers = []
+    for n, a in enumerate(args):
+        kind = kernel_arg_kind(n, a)
+        if kind == ARG_FOREIGN:
+            raise TypeError(
+                f"kernel argument {n}: a graph takes DeviceBuffers, HostBuffers and NumPy "
+                f"scalars, not another library's array ({type(a).__name__}); copy it into "
+                "a DeviceBuffer"
+            )
+        if kind == ARG_BUFFER:
+            _check_buffer(ctx, a)
+            buffers.append(a)
+    return buffers
+
+
+def _copy_op(ctx: DeviceContext, dst: Any, src: Any) -> CopyOp:
+    """A copy node's operation, checked as ``enqueue_copy`` checks two buffers."""
+    for x, name in ((dst, "dst"), (src, "src")):
+        if not isinstance(x, (DeviceBuffer, HostBuffer)):
+            raise TypeError(
+                f"a graph's copy: {name} must be a DeviceBuffer or HostBuffer (a graph copies "
+                f"between buffers; stage arrays through a HostBuffer), not {type(x).__name__}"
+            )
+        _check_buffer(ctx, x)
+    d, s, nbytes = copy_operands(ctx, dst, src, None, None)
+    return CopyOp(d, s, nbytes)
+
+
+def _memset_op(ctx: DeviceContext, buf: Any, value: Any) -> MemsetOp:
+    """A memset node's operation, checked as ``enqueue_memset`` checks it."""
+    if not isinstance(buf, DeviceBuffer):
+        raise TypeError(
+            f"a graph's memset sets a DeviceBuffer, not {type(buf).__name__} (fill a "
+            "HostBuffer with add_cpu_function)"
+        )
+    _check_buffer(ctx, buf)
+    check_writable(buf)
+    v = _scalar_for(buf._dtype, value)
+    if buf._dtype.itemsize not in (1, 2, 4, 8):
+        raise TypeError(f"memset supports 1, 2, 4 and 8-byte elements, not {buf._dtype}")
+    return MemsetOp(buf, v, buf._size)
+
+
+def _only(
+    kind: str, args: tuple[Any, ...], keywords: dict[str, Any], names: tuple[str, ...]
+) -> None:
+    """A copy or memset node's update names what changes, as keywords."""
+    if args or not keywords or not set(keywords) <= set(names):
+        given = [*(["positional arguments"] if args else []), *(f"{k}=" for k in keywords)]
+        raise TypeError(
+            f"a {kind} node is updated with {' and/or '.join(f'{k}=' for k in names)}, not "
+            f"{', '.join(given) or 'nothing'}"
+        )
 
 
 class _Lane:
@@ -395,14 +430,16 @@ class DeviceGraph:
     """A device graph, instantiated once and replayed as one operation.
 
     ``DeviceGraph.create(ctx, build)`` builds it; ``await graph.replay()`` runs
-    every node once, in dependency order, on the context's current stream.
+    every node once, in dependency order, on the context's current stream;
+    ``graph.update(node, ...)`` changes a node's parameters for later replays.
 
     Lifetime: the graph holds every buffer, function and argument its nodes
-    name, and each replay holds the graph until it has finished, so nothing a
-    replay uses is freed before the replay ends, whatever the program drops.
-    While the graph exists, and until its last replay has ended,
-    ``take_ptr()`` on a buffer it uses raises ``ValueError`` (the memory would
-    leave asyncgpu's hands while a replay may still use it)."""
+    name (the current parameters), and each replay holds the graph and the
+    parameters it runs with until it has finished, so nothing a replay uses is
+    freed before the replay ends, whatever the program drops or updates. While
+    the graph names a buffer, and until the last replay using it has ended,
+    ``take_ptr()`` on it raises ``ValueError`` (the memory would leave
+    asyncgpu's hands while a replay may still use it)."""
 
     __slots__ = ("__weakref__", "_ctx", "_def", "_exec")
 
@@ -434,8 +471,7 @@ class DeviceGraph:
         graph = object.__new__(cls)
         graph._ctx = ctx
         graph._def = definition
-        graph._exec = ctx._state.backend.graph(definition)
-        definition.seal(graph._exec)  # (which every replay holds until it ends)
+        graph._exec = ctx._state.backend.graph(definition, definition.seal())
         return graph
 
     def replay(self, ctx: DeviceContext | None = None) -> DeviceEvent:
@@ -462,6 +498,96 @@ class DeviceGraph:
         if state.trace is not None:
             state.trace.record(impl, ev, "graph", f"graph ({len(self._def.nodes)} nodes)")
         return ev
+
+    def update(
+        self,
+        node: DeviceGraphNode,
+        *args: Any,
+        dst: DeviceBuffer | HostBuffer | None = None,
+        src: DeviceBuffer | HostBuffer | None = None,
+        buf: DeviceBuffer | None = None,
+        value: Any = None,
+    ) -> None:
+        """Change what ``node`` (a node of this graph) does in the replays
+        enqueued from now on, without building the graph again:
+
+        - a kernel node: ``graph.update(node, *args)``, all of its arguments
+          anew (the same function and launch geometry);
+        - a copy node: ``graph.update(node, dst=..., src=...)``, either or both
+          buffers (the same kind of buffer on each side, the same byte count);
+        - a memset node: ``graph.update(node, value=..., buf=...)``, either or
+          both (a buffer of the same dtype and length);
+        - a CPU function node: ``graph.update(node, *args)``, the function's
+          arguments anew.
+
+        Checked here as the builder checks the node (and, for a kernel, as the
+        device checks it when the graph is made), so bad input raises at this
+        call and the graph is left as it was. Replays enqueued before this call
+        keep the parameters they were enqueued with, and hold them (buffers
+        included) until they have finished; the graph holds the new ones. On
+        CUDA the instantiated graph is changed in place
+        (``cuGraphExecKernelNodeSetParams``, ``cuGraphExecMemcpyNodeSetParams``,
+        ``cuGraphExecMemsetNodeSetParams``, through cuda.core's executable-node
+        views), which affects only later launches and does not block on the
+        device; the driver copies the new arguments at the call. ``ValueError``
+        for a node of another graph; ``ContextClosedError`` once the context is
+        closed."""
+        ctx = self._ctx
+        ctx._check_open()
+        if not isinstance(node, DeviceGraphNode):
+            raise TypeError(f"update takes a DeviceGraphNode, not {type(node).__name__}")
+        n = self._def.node_of(node)
+        i = n._index
+        params = self._exec.params  # (what an update changes is the same in every version)
+        old = params.ops[i]
+        keywords = {
+            k: v for k, v in (("dst", dst), ("src", src), ("buf", buf), ("value", value))
+            if v is not None
+        }  # fmt: skip
+        op: Any
+        if n.kind in (KERNEL, CPU):
+            if keywords:
+                raise TypeError(
+                    f"a {n.kind} node is updated with its new arguments, "
+                    f"graph.update(node, *args), not {', '.join(keywords)}="
+                )
+            if n.kind == KERNEL:
+                buffers: tuple[Any, ...] = tuple(_kernel_buffers(ctx, args))
+                op = KernelOp(old.fn, args, old.cfg)
+            else:
+                buffers, op = args, CpuOp(old.fn, args)
+        elif n.kind == COPY:
+            _only(n.kind, args, keywords, ("dst", "src"))
+            was_dst, was_src = params.buffers[i]
+            new_dst = was_dst if dst is None else dst
+            new_src = was_src if src is None else src
+            for was, now, name in ((was_dst, new_dst, "dst"), (was_src, new_src, "src")):
+                if type(now) is not type(was):
+                    raise TypeError(
+                        f"a copy node's {name} is updated with another {type(was).__name__}, "
+                        f"not a {type(now).__name__} (the driver changes a copy's "
+                        "addresses, not its kind)"
+                    )
+            op = _copy_op(ctx, new_dst, new_src)
+            if op.nbytes != old.nbytes:
+                raise ValueError(
+                    f"a copy node's update copies as many bytes as the node ({old.nbytes}), "
+                    f"not {op.nbytes}"
+                )
+            buffers = (new_dst, new_src)
+        elif n.kind == MEMSET:
+            _only(n.kind, args, keywords, ("buf", "value"))
+            new_buf = old.dst if buf is None else buf
+            op = _memset_op(ctx, new_buf, old.value if value is None else value)
+            if new_buf._dtype != old.dst._dtype or op.count != old.count:
+                raise ValueError(
+                    f"a memset node's buffer is updated with one of the same dtype and length "
+                    f"({old.dst._dtype}, {old.count}), not ({new_buf._dtype}, {op.count})"
+                )
+            buffers = (new_buf,)
+        else:
+            raise TypeError(f"{n!r}: a join node has nothing to update")
+        self._exec.update(i, op, buffers)
 
     def num_outputs(self) -> int:
         """How many nodes the build named outputs (``add_output``)."""

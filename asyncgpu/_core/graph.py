@@ -10,41 +10,46 @@ device runs the nodes in dependency order on its pool; the CUDA device splits
 the DAG at its CPU nodes (``stages``) into driver graphs launched in stream
 order with the CPU functions run between them by the stream's host work.
 
-Memory a graph uses cannot be taken out of asyncgpu's hands (``take_ptr``)
-while the graph exists: ``memory`` counts the uses (``pin_allocations``), and
-the graph holds every buffer it names, so none is freed under a replay.
+The parameters of the nodes (each node's operation: a kernel's arguments, a
+copy's buffers, a memset's value, a CPU function's arguments) live apart from
+the nodes, in versions (``GraphParams``): sealing the definition makes the
+first, and each update of a node makes a new one, the current. A replay uses
+the version that was current when it was enqueued and holds it until it has
+finished, so what a replay uses is never freed under it, whatever later
+updates replace. While a version lives, the memory its buffers use cannot be
+taken out of asyncgpu's hands (``take_ptr``): ``memory`` counts the uses
+(``pin_allocations``).
 """
 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .memory import _BufferBase, pin_allocations, unpin_allocations
 
-__all__ = ["DeviceGraphNode", "GraphDefinition", "run_cpu_nodes"]
+__all__ = ["DeviceGraphNode", "GraphDefinition", "GraphParams", "run_cpu_nodes"]
 
 KERNEL, COPY, MEMSET, CPU, EMPTY = "kernel", "copy", "memset", "cpu", "empty"
 
 
 class DeviceGraphNode:
     """A node of a device graph under construction: what a ``DeviceGraphBuilder``
-    method returns, passed in later calls' ``dependencies``. A node belongs to
+    method returns, passed in later calls' ``dependencies`` (and, once the
+    graph is made, to ``DeviceGraph.update``). A node belongs to
     the one graph whose builder made it. ``kind`` says what it does:
     ``"kernel"``, ``"copy"``, ``"memset"``, ``"cpu"`` (a CPU function) or
     ``"empty"`` (a join)."""
 
-    __slots__ = ("__weakref__", "_deps", "_graph", "_index", "_op", "kind")
+    __slots__ = ("__weakref__", "_deps", "_graph", "_index", "kind")
 
     def __init__(
-        self, graph: GraphDefinition, index: int, kind: str, op: Any, deps: tuple[int, ...]
+        self, graph: GraphDefinition, index: int, kind: str, deps: tuple[int, ...]
     ) -> None:
         self._graph = graph
         self._index = index
         self.kind = kind
-        self._op = op
         self._deps = deps
 
     @property
@@ -95,6 +100,55 @@ class CpuOp:
         self.fn, self.args = fn, args
 
 
+class _Pins:
+    """The memory of one node's buffers, pinned against ``take_ptr`` while any
+    version naming that operation lives (versions share the pins of the nodes
+    an update left alone, so an update pins one node's memory, not the
+    graph's)."""
+
+    __slots__ = ("allocs",)
+
+    def __init__(self, buffers: tuple[_BufferBase, ...]) -> None:
+        self.allocs = [b._alloc for b in buffers if b._alloc is not None]
+        pin_allocations(self.allocs)
+
+    def __del__(self, _unpin: Callable[[list[Any]], None] = unpin_allocations) -> None:
+        _unpin(self.allocs)
+
+
+class GraphParams:
+    """One version of the parameters of a graph's nodes: ``ops[i]`` is node
+    ``i``'s operation (``KernelOp``, ``CopyOp``, ``MemsetOp``, ``CpuOp``, or
+    None for a join) and ``buffers[i]`` the buffers it names. Never changed
+    once made (an update makes a new version), so a replay reads the one it
+    was enqueued with however the graph is updated meanwhile. While it lives,
+    the memory of its buffers cannot be taken (``take_ptr``)."""
+
+    __slots__ = ("_pins", "buffers", "ops")
+
+    def __init__(
+        self,
+        ops: tuple[Any, ...],
+        buffers: tuple[tuple[_BufferBase, ...], ...],
+        pins: tuple[_Pins | None, ...] | None = None,
+    ) -> None:
+        self.ops = ops
+        self.buffers = buffers
+        if pins is None:
+            pins = tuple(_Pins(bs) if bs else None for bs in buffers)
+        self._pins = pins
+
+    def replaced(self, index: int, op: Any, buffers: Sequence[Any]) -> GraphParams:
+        """A new version: this one with node ``index``'s operation replaced."""
+        bufs = tuple(b for b in buffers if isinstance(b, _BufferBase))
+        j = index + 1
+        return GraphParams(
+            (*self.ops[:index], op, *self.ops[j:]),
+            (*self.buffers[:index], bufs, *self.buffers[j:]),
+            (*self._pins[:index], _Pins(bufs) if bufs else None, *self._pins[j:]),
+        )
+
+
 class GraphDefinition:
     """The nodes and edges of one device graph. Open while its builder's
     ``build`` runs; ``seal`` closes it for good (a builder kept past ``create``
@@ -104,7 +158,11 @@ class GraphDefinition:
         self.nodes: list[DeviceGraphNode] = []
         self.outputs: list[DeviceGraphNode] = []
         self.sealed = False
-        self._buffers: dict[int, _BufferBase] = {}
+        # What the nodes do, while the graph is being built (``seal`` makes the
+        # first version of them; the instantiated graph holds the current one,
+        # not the definition, which every node handle refers to).
+        self._ops: list[Any] = []
+        self._buffers: list[tuple[_BufferBase, ...]] = []
         self._lock = threading.Lock()
 
     def _check_open(self) -> None:
@@ -147,12 +205,17 @@ class GraphDefinition:
         """A new node of ``kind`` after the nodes ``deps`` (from ``dep_indices``)."""
         with self._lock:
             self._check_open()
-            node = DeviceGraphNode(self, len(self.nodes), kind, op, deps)
+            node = DeviceGraphNode(self, len(self.nodes), kind, deps)
             self.nodes.append(node)
-            for b in buffers:
-                if isinstance(b, _BufferBase):
-                    self._buffers[id(b)] = b
+            self._ops.append(op)
+            self._buffers.append(tuple(b for b in buffers if isinstance(b, _BufferBase)))
         return node
+
+    def node_of(self, node: Any) -> DeviceGraphNode:
+        """``node``, checked: a node of this graph (``ValueError`` for another
+        graph's, ``TypeError`` for anything else)."""
+        (i,) = self.dep_indices((node,))
+        return self.nodes[i]
 
     def add_output(self, node: Any) -> int:
         """Name ``node`` an output of the graph; returns its output index."""
@@ -161,19 +224,15 @@ class GraphDefinition:
         self.outputs.append(self.nodes[i])
         return len(self.outputs) - 1
 
-    def buffers(self) -> list[_BufferBase]:
-        """Every buffer a node names (kernel arguments, copy and memset operands)."""
-        return list(self._buffers.values())
-
-    def seal(self, owner: object) -> None:
-        """Close the definition; the memory its buffers use cannot be taken
-        (``take_ptr``) until ``owner`` is gone: the device's replayable graph,
-        which the graph and every replay still running hold."""
+    def seal(self) -> GraphParams:
+        """Close the definition for good; returns the first version of its
+        parameters, for the device's instantiated graph to hold (once: the
+        definition keeps none)."""
         with self._lock:
             self.sealed = True
-        allocs = [b._alloc for b in self._buffers.values() if b._alloc is not None]
-        pin_allocations(allocs)
-        weakref.finalize(owner, unpin_allocations, allocs)
+            params = GraphParams(tuple(self._ops), tuple(self._buffers))
+            self._ops, self._buffers = [], []
+            return params
 
     def successors(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.nodes]
@@ -218,14 +277,19 @@ class GraphDefinition:
 
 
 def run_cpu_nodes(
-    nodes: Sequence[DeviceGraphNode], errors: list[BaseException], last: bool
+    nodes: Sequence[DeviceGraphNode],
+    params: GraphParams,
+    errors: list[BaseException],
+    last: bool,
 ) -> None:
-    """Run one CPU stage's functions in order (host work of the replay's stream).
-    An error is kept in ``errors`` and the stage goes on, as a stream goes on
-    after a failed CPU function; the replay's last stage raises the first one,
-    so ``await graph.replay()`` sees it."""
+    """Run one CPU stage's functions in order (host work of the replay's stream),
+    with the replay's version of their parameters. An error is kept in
+    ``errors`` and the stage goes on, as a stream goes on after a failed CPU
+    function; the replay's last stage raises the first one, so ``await
+    graph.replay()`` sees it."""
+    ops = params.ops
     for n in nodes:
-        op: CpuOp = n._op
+        op: CpuOp = ops[n._index]
         try:
             op.fn(*op.args)
         except Exception as e:

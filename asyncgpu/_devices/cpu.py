@@ -32,7 +32,7 @@ from .._core.function import (
     kernel_arg_kind,
     refuse_coroutine_function,
 )
-from .._core.graph import COPY, CPU, KERNEL, MEMSET, DeviceGraphNode, GraphDefinition
+from .._core.graph import COPY, CPU, KERNEL, MEMSET, GraphDefinition, GraphParams
 from .._core.memory import _BufferBase
 from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work, start_chained
 from .._core.stream import _StreamImpl
@@ -266,22 +266,46 @@ class CpuGraph:
     stream it is replayed on, which runs the nodes on the pool in dependency
     order (independent nodes at the same time), each as soon as the nodes it
     depends on have finished, and finishes when the last node has (with the
-    first error a node raised, after every node has run)."""
+    first error a node raised, after every node has run).
 
-    def __init__(self, definition: GraphDefinition) -> None:
+    ``current`` is what each node does, made from the parameters current now
+    (``GraphParams``); an update makes a new one, and a replay runs the one
+    current when it was enqueued, holding it (and so its buffers) until it
+    has finished."""
+
+    def __init__(self, definition: GraphDefinition, params: GraphParams) -> None:
         self.definition = definition
+        self.params = params
         self._succ = definition.successors()
         self._indeg = [len(n._deps) for n in definition.nodes]
         self._roots = [i for i, d in enumerate(self._indeg) if d == 0]
+        self._kinds = [n.kind for n in definition.nodes]
+        self._lock = threading.Lock()
         # (checked here, at DeviceGraph.create: a bad kernel argument raises there)
-        self._work = [_node_work(n) for n in definition.nodes]
+        work = tuple(_node_work(k, op) for k, op in zip(self._kinds, params.ops, strict=True))
+        self.current: tuple[tuple[tuple[int, Any], ...], GraphParams] = (work, params)
 
     def replay(self, stream: CpuStream) -> DeviceEvent:
-        """Enqueue one replay on ``stream``; never blocks."""
-        return stream._enqueue(partial(self._start, stream), self)
+        """Enqueue one replay on ``stream`` with the parameters current now; never
+        blocks."""
+        current = self.current
+        return stream._enqueue(partial(self._start, stream, current[0]), current)
 
-    def _start(self, stream: CpuStream, ev: DeviceEvent) -> None:
-        work, succ = self._work, self._succ
+    def update(self, index: int, op: Any, buffers: Sequence[Any]) -> None:
+        """Make node ``index`` do ``op`` in the replays enqueued from now on,
+        checked as the node was when the graph was made (a kernel's arguments
+        against its body); replays enqueued before keep what they had."""
+        node_work = _node_work(self._kinds[index], op)
+        with self._lock:
+            work, params = self.current
+            new = params.replaced(index, op, buffers)
+            works = list(work)
+            works[index] = node_work
+            self.params = new
+            self.current = (tuple(works), new)
+
+    def _start(self, stream: CpuStream, work: tuple[tuple[int, Any], ...], ev: DeviceEvent) -> None:
+        succ = self._succ
         if not work:
             ev._finish(None, None)
             return
@@ -336,18 +360,18 @@ class CpuGraph:
 _NODE_EMPTY, _NODE_FAN, _NODE_CALL = range(3)
 
 
-def _node_work(node: DeviceGraphNode) -> tuple[int, Any]:
-    """What a graph node does on the CPU device: nothing (a join), a fan-out over
-    the pool (a kernel's blocks) or one call on the pool."""
-    op = node._op
-    if node.kind == KERNEL:
+def _node_work(kind: str, op: Any) -> tuple[int, Any]:
+    """What a graph node of ``kind`` doing ``op`` does on the CPU device: nothing
+    (a join), a fan-out over the pool (a kernel's blocks) or one call on the
+    pool."""
+    if kind == KERNEL:
         return _NODE_FAN, _kernel_work(op.fn, op.args, op.cfg)
-    if node.kind == COPY:
+    if kind == COPY:
         d, s, n = op.dst._hostbytes, op.src._hostbytes, op.nbytes
         return _NODE_CALL, partial(np.copyto, d[:n], s[:n])
-    if node.kind == MEMSET:
+    if kind == MEMSET:
         return _NODE_CALL, partial(_fill, op.dst, op.value, op.count)
-    if node.kind == CPU:
+    if kind == CPU:
         return _NODE_CALL, partial(op.fn, *op.args)
     return _NODE_EMPTY, None
 
@@ -669,9 +693,9 @@ class CpuBackend:
     def close(self) -> None:
         pass
 
-    def graph(self, definition: GraphDefinition) -> CpuGraph:
+    def graph(self, definition: GraphDefinition, params: GraphParams) -> CpuGraph:
         """The CPU device's replayable form of a finished graph definition."""
-        return CpuGraph(definition)
+        return CpuGraph(definition, params)
 
     def elapsed_ns(self, fn: Callable[[], Any], stream: _StreamImpl) -> int:
         """Host nanoseconds from before the first call until the stream has finished

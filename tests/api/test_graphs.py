@@ -412,6 +412,221 @@ def test_what_a_recording_cannot_record_raises(ctx: DeviceContext) -> None:
     DeviceGraph.create(ctx, build)
 
 
+# -- updating nodes between replays --------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_kernel_copy_and_memset_nodes_are_updated_without_rebuilding(
+    ctx: DeviceContext,
+) -> None:
+    x = ctx.enqueue_create_buffer(np.int32, N)
+    y = ctx.enqueue_create_buffer(np.int32, N)
+    out = ctx.enqueue_create_host_buffer(np.int32, N)
+    other = ctx.enqueue_create_host_buffer(np.int32, N)
+    nodes: dict[str, DeviceGraphNode] = {}
+
+    def build(b: DeviceGraphBuilder) -> None:
+        nodes["set"] = b.add_memset(x, 0)
+        nodes["add"] = _add_ones(b, x, 1, nodes["set"])
+        nodes["copy"] = b.add_copy(out, x, dependencies=[nodes["add"]])
+
+    graph = DeviceGraph.create(ctx, build)
+    await graph.replay()
+    assert (out.as_numpy() == 1).all()
+
+    graph.update(nodes["set"], value=41)
+    await graph.replay()
+    assert (out.as_numpy() == 42).all()
+
+    ctx.enqueue_memset(y, 100)
+    graph.update(nodes["add"], y, np.int32(N // 2))  # another buffer, half of it
+    graph.update(nodes["copy"], src=y, dst=other)
+    await graph.replay()
+    assert (other.as_numpy()[: N // 2] == 101).all() and (other.as_numpy()[N // 2 :] == 100).all()
+    assert (out.as_numpy() == 42).all()  # no longer written
+
+    graph.update(nodes["set"], buf=y, value=-5)  # the memset now sets y, before the kernel
+    await graph.replay()
+    assert (other.as_numpy()[: N // 2] == -4).all() and (other.as_numpy()[N // 2 :] == -5).all()
+
+
+@pytest.mark.asyncio
+async def test_an_update_leaves_replays_enqueued_before_it_as_they_were(
+    ctx: DeviceContext, gate
+) -> None:
+    """Replays held behind a gate: each runs with the parameters current when it
+    was enqueued, and every CPU function node runs once per replay, in order,
+    with its replay's arguments (counted), before and after updates."""
+    x = ctx.enqueue_create_buffer(np.int32, N)
+    seen = ctx.enqueue_create_host_buffer(np.int32, N)
+    log: list[tuple[str, int]] = []
+
+    def record(tag: str) -> None:
+        log.append((tag, int(seen[N - 1])))
+
+    nodes: list[DeviceGraphNode] = []
+
+    def build_chain(b: DeviceGraphBuilder) -> None:
+        set_x = b.add_memset(x, 1)
+        added = _add_ones(b, x, 1, set_x)
+        copy = b.add_copy(seen, x, dependencies=[added])
+        nodes[:] = [set_x, b.add_cpu_function(record, "first", dependencies=[copy])]
+
+    graph = DeviceGraph.create(ctx, build_chain)
+    set_x, cpu = nodes
+    g = gate()
+    ctx.enqueue_cpu_function(g)
+    held = [graph.replay()]
+    graph.update(set_x, value=10)
+    held.append(graph.replay())
+    graph.update(cpu, "second")
+    held.append(graph.replay())
+    graph.update(set_x, value=20)
+    graph.update(cpu, "third")
+    rounds = 100
+    held += [graph.replay() for _ in range(rounds)]
+    assert log == []  # all behind the gate
+    g.open()
+    for ev in held:
+        await ev
+    assert log == [("first", 2), ("first", 11), ("second", 11)] + [("third", 21)] * rounds
+
+
+@pytest.mark.asyncio
+async def test_replays_held_behind_host_work_each_run_with_their_own_version(
+    ctx: DeviceContext, gate
+) -> None:
+    """An update between every two replays, all held behind a gate: each replay
+    sets its own value and copies into its own host buffer (on CUDA every held
+    launch sets its version's parameters again before it goes in)."""
+    x = ctx.enqueue_create_buffer(np.int32, N)
+    rounds = 40
+    outs = [ctx.enqueue_create_host_buffer(np.int32, N) for _ in range(rounds)]
+    nodes: list[DeviceGraphNode] = []
+
+    def build(b: DeviceGraphBuilder) -> None:
+        set_x = b.add_memset(x, -1)
+        nodes[:] = [set_x, b.add_copy(outs[0], x, dependencies=[set_x])]
+
+    graph = DeviceGraph.create(ctx, build)
+    set_x, copy = nodes
+    g = gate()
+    ctx.enqueue_cpu_function(g)
+    held = []
+    for i, out in enumerate(outs):
+        graph.update(set_x, value=i)
+        graph.update(copy, dst=out)
+        held.append(graph.replay())
+    g.open()
+    for ev in held:
+        await ev
+    for i, out in enumerate(outs):
+        assert (out.as_numpy() == i).all(), i
+
+
+def test_the_graph_holds_new_buffers_and_drops_old_ones_after_their_replays(
+    ctx: DeviceContext, gate
+) -> None:
+    out = ctx.enqueue_create_host_buffer(np.int32, N)
+    graph, old = _graph_on_a_dropped_buffer(ctx, out)
+    (set_x,) = (n for n in graph._def.nodes if n.kind == "memset")
+    g = gate()
+    ctx.enqueue_cpu_function(g)
+    ev = graph.replay()  # held: it uses the old buffer
+    new = ctx.enqueue_create_buffer(np.int32, N)
+    replaced = weakref.ref(new)
+    for node in graph._def.nodes:
+        if node.kind == "kernel":
+            graph.update(node, new, np.int32(N))
+    graph.update(set_x, buf=new)
+    (copy,) = (n for n in graph._def.nodes if n.kind == "copy")
+    graph.update(copy, src=new)
+    del new
+    gc.collect()
+    assert old() is not None and replaced() is not None  # the held replay, and the graph
+    g.open()
+    ev.synchronize()
+    del ev
+    ctx.synchronize()
+    gc.collect()
+    assert old() is None  # no replay uses it any more
+    assert replaced() is not None
+    graph.replay().synchronize()
+    assert (out.as_numpy() == 7).all()
+    del graph
+    ctx.synchronize()
+    gc.collect()
+    assert replaced() is None
+
+
+def test_bad_updates_raise_at_the_call_and_leave_the_graph_as_it_was(
+    ctx: DeviceContext,
+) -> None:
+    x = ctx.enqueue_create_buffer(np.int32, N)
+    f = ctx.enqueue_create_buffer(np.float32, N)
+    short = ctx.enqueue_create_buffer(np.int32, N - 1)
+    out = ctx.enqueue_create_host_buffer(np.int32, N)
+    nodes: list[DeviceGraphNode] = []
+
+    def build(b: DeviceGraphBuilder) -> None:
+        set_x = b.add_memset(x, 0)
+        add = _add_ones(b, x, 1, set_x)
+        copy = b.add_copy(out, x, dependencies=[add])
+        cpu = b.add_cpu_function(print, dependencies=[copy])
+        nodes[:] = [set_x, add, copy, cpu, b.region(lambda b: None)]
+
+    graph = DeviceGraph.create(ctx, build)
+    set_x, add, copy, cpu, join = nodes
+    kept: list[DeviceGraphNode] = []
+    DeviceGraph.create(ctx, lambda b: kept.append(b.add_memset(x, 0)))
+
+    with pytest.raises(ValueError, match="another device graph"):
+        graph.update(kept[0], value=1)
+    with pytest.raises(TypeError, match="DeviceGraphNode"):
+        graph.update("set", value=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="argument 1"):  # as add_function says it
+        graph.update(add, x, N)
+    with pytest.raises(TypeError) as built:
+        DeviceGraph.create(ctx, lambda b: b.add_function(ADD_ONE, x, grid_dim=4, block_dim=256))
+    with pytest.raises(TypeError) as updated:
+        graph.update(add, x)  # too few arguments: what creating such a graph raises
+    assert str(updated.value) == str(built.value)
+    with pytest.raises(TypeError, match="new arguments"):
+        graph.update(add, value=1)
+    with pytest.raises(TypeError, match="dst= and/or src="):
+        graph.update(copy, x)
+    with pytest.raises(TypeError, match="dst= and/or src="):
+        graph.update(copy)
+    with pytest.raises(TypeError, match="another HostBuffer"):
+        graph.update(copy, dst=x)
+    with pytest.raises(TypeError, match="dtype mismatch"):
+        graph.update(copy, src=f)
+    with pytest.raises(ValueError, match="as many bytes"):
+        graph.update(copy, dst=ctx.enqueue_create_host_buffer(np.int32, N - 1), src=short)
+    with pytest.raises(ValueError, match="does not fit"):
+        graph.update(set_x, value=2**40)
+    with pytest.raises(ValueError, match="same dtype and length"):
+        graph.update(set_x, buf=short)
+    with pytest.raises(TypeError, match="DeviceBuffer"):
+        graph.update(set_x, buf=out)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="new arguments"):
+        graph.update(cpu, dst=x)
+    with pytest.raises(TypeError, match="join"):
+        graph.update(join)
+    graph.replay().synchronize()  # all as it was
+    assert (out.as_numpy() == 1).all()
+
+
+def test_an_update_after_the_context_closed_raises(api: str) -> None:
+    ctx = DeviceContext(api=api)
+    x = ctx.enqueue_create_buffer(np.int32, N)
+    nodes: list[DeviceGraphNode] = []
+    graph = DeviceGraph.create(ctx, lambda b: nodes.append(b.add_memset(x, 0)))
+    ctx.close()
+    with pytest.raises(ContextClosedError):
+        graph.update(nodes[0], value=1)
+
+
 # -- lifetime ------------------------------------------------------------------------------
 
 

@@ -1,8 +1,10 @@
 """The CUDA device's graphs without a GPU: how a graph definition becomes
 cuda.core graph nodes (against a stand-in ``GraphDefinition`` that records the
-calls), and how a replay is sequenced on a stream (against a stand-in stream):
+calls), how a replay is sequenced on a stream (against a stand-in stream):
 one ``cuGraphLaunch`` per stretch between CPU nodes, the CPU stages as host work
-in between, the first CPU error at the end."""
+in between, the first CPU error at the end; and how an update reaches the
+instantiated graph (its executable-node views), with each launch made with
+the parameters of its own replay."""
 
 from __future__ import annotations
 
@@ -68,8 +70,28 @@ class _Definition(_Node):
     def empty(self) -> _Node:
         return self._add("empty")
 
+    def __int__(self) -> int:  # (as the handle of its executable graph)
+        return id(self)
+
     def instantiate(self) -> Any:
-        return type("Exec", (), {"handle": self})()
+        return _Exec(self)
+
+
+class _Exec:
+    """A stand-in executable graph: ``exe[node].update(...)`` is logged."""
+
+    def __init__(self, definition: _Definition) -> None:
+        self.handle = definition
+        self.updates: list[tuple[str, dict[str, Any]]] = []
+
+    def __getitem__(self, node: _Node) -> Any:
+        updates = self.updates
+
+        class View:
+            def update(self, **params: Any) -> None:
+                updates.append((node.name, params))
+
+        return View()
 
 
 class _Backend:
@@ -106,7 +128,7 @@ def test_nodes_and_edges_become_cuda_core_calls(fake_core: type[_Definition]) ->
         c = g.add(COPY, CopyOp(x, y, 80), (a._index, b._index))
         g.add(COPY, CopyOp(x, y, 0), (c._index,))  # nothing to copy: a join
         g.add(EMPTY, None, ())
-        _graph.CudaGraph(_Backend(), g)
+        _graph.CudaGraph(_Backend(), g, g.seal())
         (made,) = fake_core.made
         names = [entry[0] for entry in made.log]
         log = {entry[0]: entry[1:] for entry in made.log}
@@ -131,23 +153,35 @@ def test_kernel_nodes_refuse_what_a_graph_node_cannot_launch(fake_core: type[_De
         g = GraphDefinition()
         g.add(KERNEL, KernelOp(_Fn((8,)), (x,), cluster), ())
         with pytest.raises(UnsupportedError, match="plain launch"):
-            _graph.CudaGraph(_Backend(), g)
+            _graph.CudaGraph(_Backend(), g, g.seal())
         pair = np.dtype([("a", "<f8"), ("b", "<i4")], align=True)
         g = GraphDefinition()
         g.add(KERNEL, KernelOp(_Fn((16,)), (np.zeros((), pair)[()],), PLAIN), ())
         with pytest.raises(UnsupportedError, match="structured scalar"):
-            _graph.CudaGraph(_Backend(), g)
+            _graph.CudaGraph(_Backend(), g, g.seal())
 
 
 class _Stream:
-    """A stand-in stream: records launches and runs host work at once."""
+    """A stand-in stream: records launches (the graph's ``launch`` is made at
+    once, or later while the stream is held) and runs host work at once."""
 
     def __init__(self) -> None:
         self.calls: list[Any] = []
+        self.held: list[Any] | None = None
 
-    def graph_launch(self, exe: Any, keep: Any) -> str:
+    def graph_launch(self, graph: Any, exe: Any, handle: int, params: Any) -> str:
+        assert handle == int(exe)
         self.calls.append(("launch", exe))
+        if self.held is not None:
+            self.held.append(lambda: graph.launch(exe, params, "raw"))
+        else:
+            graph.launch(exe, params, "raw")
         return "launched"
+
+    def release(self) -> None:
+        held, self.held = self.held or [], None
+        for launch in held:
+            launch()
 
     def cpu_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.calls.append("cpu")
@@ -162,8 +196,23 @@ class _Stream:
         return "point"
 
 
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The ``cuGraphLaunch`` calls the graphs make (the driver stood in for)."""
+    made: list[Any] = []
+
+    class _Driver:
+        @staticmethod
+        def cuGraphLaunch(exe: Any, stream: Any) -> tuple[int]:
+            made.append(exe)
+            return (0,)
+
+    monkeypatch.setattr(_graph, "cu", _Driver)
+    return made
+
+
 def test_a_replay_launches_each_stretch_with_the_cpu_stages_between(
-    fake_core: type[_Definition],
+    fake_core: type[_Definition], launches: list[Any]
 ) -> None:
     ran: list[str] = []
 
@@ -177,7 +226,7 @@ def test_a_replay_launches_each_stretch_with_the_cpu_stages_between(
     c1 = g.add(CPU, CpuOp(boom, ()), (k1._index,))
     c2 = g.add(CPU, CpuOp(ran.append, ("second",)), (c1._index,))
     g.add(COPY, CopyOp(_Ptr(3), _Ptr(4), 8), (c2._index,))
-    graph = _graph.CudaGraph(_Backend(), g)
+    graph = _graph.CudaGraph(_Backend(), g, g.seal())
     first, second = (exe for exe, _ in graph.steps if exe is not None)
     s = _Stream()
     out = graph.replay(s)
@@ -186,14 +235,93 @@ def test_a_replay_launches_each_stretch_with_the_cpu_stages_between(
     assert isinstance(out, KeyError)  # the replay's event carries the first CPU error
 
     s = _Stream()
-    assert _graph.CudaGraph(_Backend(), GraphDefinition()).replay(s) == "point"
+    assert _graph.CudaGraph(_Backend(), *_sealed(GraphDefinition())).replay(s) == "point"
     g = GraphDefinition()
     g.add(COPY, CopyOp(_Ptr(1), _Ptr(2), 8), ())
-    single = _graph.CudaGraph(_Backend(), g)
+    single = _graph.CudaGraph(_Backend(), g, g.seal())
     assert single.replay(s) == "launched"
     assert s.calls == ["point", ("launch", single.steps[0][0])]
+
+
+def _sealed(g: GraphDefinition) -> tuple[GraphDefinition, Any]:
+    return g, g.seal()
 
 
 class _Ptr:
     def __init__(self, p: int) -> None:
         self._ptr = p
+
+
+def test_an_update_sets_the_nodes_in_the_instantiated_graph(
+    fake_core: type[_Definition], launches: list[Any]
+) -> None:
+    with DeviceContext(api="cpu") as cpu:
+        x, y, z = (cpu.enqueue_create_buffer(np.int64, 10) for _ in range(3))
+        g = GraphDefinition()
+        k = g.add(KERNEL, KernelOp(_Fn((8, 4)), (x, np.int32(10)), PLAIN), (), (x,))
+        m = g.add(MEMSET, MemsetOp(y, np.int64(-2), 10), (k._index,), (y,))
+        c = g.add(COPY, CopyOp(x, y, 80), (m._index,), (x, y))
+        graph = _graph.CudaGraph(_Backend(), g, g.seal())
+        (exe,) = graph._graphs
+        names = [entry[0] for entry in fake_core.made[0].log]
+
+        graph.update(k._index, KernelOp(_Fn((8, 4)), (z, np.int32(3)), PLAIN), (z,))
+        assert exe.updates == [
+            (names[0], {"config": "config", "kernel": "kernel", "args": (z._ptr, np.int32(3))})
+        ]
+        exe.updates.clear()
+        graph.update(m._index, MemsetOp(y, np.int64(7), 10), (y,))
+        raw = np.int64(7).tobytes()
+        assert (
+            exe.updates
+            == [  # 8-byte elements: both halves
+                (names[1], {"dst": y._ptr, "value": raw[:4], "width": 1, "height": 10, "pitch": 8}),
+                (
+                    names[2],
+                    {"dst": y._ptr + 4, "value": raw[4:], "width": 1, "height": 10, "pitch": 8},
+                ),
+            ]
+        )
+        exe.updates.clear()
+        graph.update(c._index, CopyOp(z, y, 80), (z, y))
+        assert exe.updates == [(names[4], {"dst": z._ptr, "src": y._ptr, "size": 80})]
+        assert graph.params.ops[c._index].dst is z
+
+
+def test_a_held_launch_uses_the_parameters_of_its_own_replay(
+    fake_core: type[_Definition], launches: list[Any]
+) -> None:
+    """A launch that reaches the driver after a later update (held behind host
+    work) sets its replay's parameters again first; the next launch sets the
+    new ones back. Launches with the parameters in place set nothing."""
+    with DeviceContext(api="cpu") as cpu:
+        x, y, z = (cpu.enqueue_create_buffer(np.int32, 10) for _ in range(3))
+        g = GraphDefinition()
+        c = g.add(COPY, CopyOp(x, y, 40), (), (x, y))
+        graph = _graph.CudaGraph(_Backend(), g, g.seal())
+        (exe,) = graph._graphs
+        s = _Stream()
+        s.held = []
+        graph.replay(s)  # (held: the copy x <- y)
+        graph.update(c._index, CopyOp(z, y, 40), (z, y))  # set now
+        graph.replay(s)  # (held: the copy z <- y)
+        assert [u[1]["dst"] for u in exe.updates] == [z._ptr]
+        s.release()
+        assert [u[1]["dst"] for u in exe.updates] == [z._ptr, x._ptr, z._ptr]
+        assert len(launches) == 2
+        graph.replay(s)
+        assert len(exe.updates) == 3 and len(launches) == 3
+
+
+def test_a_refused_update_leaves_the_graph_as_it_was(
+    fake_core: type[_Definition], launches: list[Any]
+) -> None:
+    with DeviceContext(api="cpu") as cpu:
+        x = cpu.enqueue_create_buffer(np.float32, 10)
+        g = GraphDefinition()
+        k = g.add(KERNEL, KernelOp(_Fn((8, 4)), (x, np.int32(10)), PLAIN), (), (x,))
+        graph = _graph.CudaGraph(_Backend(), g, g.seal())
+        before = graph.params
+        with pytest.raises(TypeError):  # a 8-byte scalar where the kernel takes 4
+            graph.update(k._index, KernelOp(_Fn((8, 4)), (x, np.int64(10)), PLAIN), (x,))
+        assert graph.params is before and graph._graphs[0].updates == []

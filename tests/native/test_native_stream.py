@@ -803,6 +803,120 @@ def test_a_failed_copy_raises_and_submits_nothing(stream: Stream, driver: Driver
     assert stream.s.copy(_Mem(0xD000), _Mem(0xC000), 64, None)._seq == 1
 
 
+# -- graph launches: StreamCore._graph_c -------------------------------------------------
+
+
+class _Graph:
+    """What ``CudaStream.graph_launch`` reads of a device graph: its lock, the
+    parameters its driver graphs hold (``applied``), and ``launch`` (the Python
+    path, which sets the replay's parameters first)."""
+
+    def __init__(self, ops: object) -> None:
+        self.lock = _native.RLock()
+        self.applied = [ops]
+        self.launched: list[tuple[Any, ...]] = []
+
+    def launch(self, exe: Any, params: Any, raw: Any) -> None:
+        self.launched.append((exe, params, raw))
+
+
+class _Params:
+    def __init__(self, ops: object) -> None:
+        self.ops = ops
+
+
+def test_a_graph_launch_reaches_the_driver_in_one_compiled_call(
+    stream: Stream, driver: Driver
+) -> None:
+    """``CudaStream.graph_launch`` is the only Python frame between a replay and
+    ``cuGraphLaunch`` while the driver graph holds the replay's parameters; the
+    event keeps the graph and the parameters."""
+    ops = ("op",)
+    graph, params = _Graph(ops), _Params(ops)
+    called: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and not frame.f_code.co_filename.endswith("_stand_in_driver.py"):
+            called.append(frame.f_code.co_name)
+
+    gc.disable()
+    sys.setprofile(profile)
+    try:
+        ev = stream.s.graph_launch(graph, "exe", 0xE0E, params)
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    assert called == ["graph_launch"]
+    assert driver.graph_launches == [(0xE0E, 0x5EA)] and graph.launched == []
+    assert type(ev) is DeviceEvent
+    assert (ev._stream, ev._seq, ev._done, ev._keep) == (stream.s, 1, False, (graph, params))
+    assert list(stream.s._inflight) == [ev] and not stream.s._after_copy
+    assert _lock_is_free(stream.s._submit_lock) and _lock_is_free(graph.lock)
+
+
+def test_the_compiled_graph_launch_takes_the_graphs_lock(stream: Stream, driver: Driver) -> None:
+    """While another thread holds the graph's lock (an update, or a launch on
+    another stream), the launch waits for it: the driver never sees two calls
+    on one executable graph at once."""
+    ops = ("op",)
+    graph = _Graph(ops)
+    graph.lock.acquire()
+    result: list[Any] = []
+    t = threading.Thread(
+        target=lambda: result.append(stream.s.graph_launch(graph, "exe", 0xE0F, _Params(ops)))
+    )
+    t.start()
+    t.join(0.05)
+    assert t.is_alive() and driver.graph_launches == []
+    graph.lock.release()
+    t.join(5)
+    assert not t.is_alive() and driver.graph_launches == [(0xE0F, 0x5EA)]
+    assert result[0]._seq == 1
+
+
+def test_other_parameters_or_a_held_stream_take_the_python_path(
+    stream: Stream, driver: Driver
+) -> None:
+    """The compiled launch hands back (None, nothing launched, both locks free)
+    when the driver graph holds other parameters than the replay's (an update
+    came between) or the stream is held behind host work; ``graph_launch``
+    then has the graph make the call (``CudaGraph.launch``), queued while held."""
+    graph = _Graph(("new",))
+    old = _Params(("old",))
+    assert stream.s._graph_c(0xE0E, graph.lock, graph.applied, old.ops, None) is None
+    assert driver.graph_launches == [] and stream.s._seq == 0
+    assert _lock_is_free(graph.lock) and _lock_is_free(stream.s._submit_lock)
+    stream.s.backend = type("B", (), {"make_current": lambda self: None})()
+    stream.s.raw = "raw"
+    ev = stream.s.graph_launch(graph, "exe", 0xE0E, old)
+    assert graph.launched == [("exe", old, "raw")] and ev._keep == (graph, old)
+    assert driver.graph_launches == []
+
+    stream.s._pending = deque()
+    same = _Params(("new",))
+    assert stream.s._graph_c(0xE0E, graph.lock, graph.applied, same.ops, None) is None
+    stream.s.graph_launch(graph, "exe", 0xE0E, same)
+    assert driver.graph_launches == [] and len(graph.launched) == 1
+    (queued,) = (call for seq, call in stream.s._pending if seq == stream.s._seq)
+    queued()  # (what the drain does once the gate opens)
+    assert graph.launched[-1] == ("exe", same, "raw")
+
+
+def test_a_failed_graph_launch_raises_and_submits_nothing(stream: Stream, driver: Driver) -> None:
+    stream.s._driver_error = _stream.CudaStream._driver_error.__get__(stream.s)  # type: ignore[method-assign]
+    driver.graph_launch_result = 1  # CUDA_ERROR_INVALID_VALUE
+    ops = ("op",)
+    graph = _Graph(ops)
+    with pytest.raises(DeviceError, match="cuGraphLaunch"):
+        stream.s.graph_launch(graph, "exe", 0xE0E, _Params(ops))
+    assert stream.s._seq == 0 and not stream.s._inflight
+    assert _lock_is_free(stream.s._submit_lock) and _lock_is_free(graph.lock)
+    with pytest.raises(TypeError, match="RLock"):
+        stream.s._graph_c(0xE0E, threading.RLock(), graph.applied, ops, None)
+    driver.graph_launch_result = 0
+    assert stream.s.graph_launch(graph, "exe", 0xE0E, _Params(ops))._seq == 1
+
+
 # -- the general path (``CudaStream._launch``) and the compiled launch it hands back to ----
 
 

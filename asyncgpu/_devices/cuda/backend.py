@@ -61,7 +61,7 @@ from .memory import (
 from .stream import CudaStream
 
 if TYPE_CHECKING:
-    from ..._core.graph import GraphDefinition
+    from ..._core.graph import GraphDefinition, GraphParams
     from ..._core.memory import ContextView as DeviceContext
     from ..._core.state import _ContextState
     from ..._types import ConstantMemoryMapping, FuncAttribute, LaunchAttribute
@@ -98,12 +98,13 @@ def _bind_native() -> None:
             _entry_point("cuEventRecord"),
             _entry_point("cuEventQuery"),
             _entry_point("cuMemcpyAsync"),
+            _entry_point("cuGraphLaunch"),
         )
     except (DeviceError, ValueError) as e:
         raise NoDeviceError(
             "the CUDA driver is older than 12.0 or incomplete: asyncgpu needs its "
-            "cuLaunchKernel, cuStreamWriteValue64, cuEventRecord, cuEventQuery and "
-            f"cuMemcpyAsync entry points (cuGetProcAddress, CUDA 12.0 API): {e}"
+            "cuLaunchKernel, cuStreamWriteValue64, cuEventRecord, cuEventQuery, "
+            f"cuMemcpyAsync and cuGraphLaunch entry points (cuGetProcAddress, CUDA 12.0 API): {e}"
         ) from None
     native.configure(
         DeviceEvent, watcher.sweep_later, _PolledStream.MARK_EVERY, CudaStream, _DeviceAlloc
@@ -899,11 +900,11 @@ class CudaBackend:
         else:
             cu.cuEventDestroy(stamp)
 
-    def graph(self, definition: GraphDefinition) -> CudaGraph:
+    def graph(self, definition: GraphDefinition, params: GraphParams) -> CudaGraph:
         """A finished graph definition as driver graphs, instantiated now (one per
         stage between CPU nodes: ``cuGraphCreate``, ``cuGraphAdd*Node``,
         ``cuGraphInstantiate``; blocks while the driver builds them)."""
-        return CudaGraph(self, definition)
+        return CudaGraph(self, definition, params)
 
     def close(self) -> None:
         # The primary context stays retained for the process: other contexts of the

@@ -119,10 +119,6 @@ def _memset(ptr: int, size: int, bits: int, count: int, stream: Any) -> None:
     _check(r, "cuMemsetAsync")
 
 
-def _graph_launch(exe: Any, stream: Any) -> None:
-    _check(cu.cuGraphLaunch(exe, stream), "cuGraphLaunch")
-
-
 def _record(e: Any, stream: Any) -> None:
     _check(cu.cuEventRecord(e, stream), "cuEventRecord")
 

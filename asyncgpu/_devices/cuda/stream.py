@@ -56,7 +56,6 @@ from .driver import (
     _SUCCESS,
     _check,
     _error,
-    _graph_launch,
     _memcpy,
     _memset,
     _record,
@@ -475,21 +474,25 @@ class CudaStream(_PolledStream):
                 self._after_copy = True
             return self._mark(keep)
 
-    def graph_launch(self, exe: Any, keep: Any) -> DeviceEvent:
-        """``cuGraphLaunch`` of an instantiated graph (a ``CUgraphExec``) in stream
-        order: it starts after the stream's earlier work, and later work waits
-        for all of it. Never blocks the host; a stream held behind host work
-        queues the launch. ``keep`` (the graph) lives until the launch is seen
-        to finish."""
+    def graph_launch(self, graph: Any, exe: Any, handle: int, params: Any) -> DeviceEvent:
+        """``cuGraphLaunch`` of the instantiated graph ``exe`` (a ``CUgraphExec``,
+        ``handle`` as an int) of the device graph ``graph`` with the parameters
+        ``params``, in stream order: it starts after the stream's earlier work,
+        and later work waits for all of it. Never blocks the host; a stream held
+        behind host work queues the launch. ``graph`` and ``params`` live until
+        the launch is seen to finish. In one compiled call
+        (``StreamCore._graph_c``: the marker rules, the driver call under the
+        graph's lock, the event, the prune) while the driver graph holds
+        ``params``; else the graph makes the call (``CudaGraph.launch``, which
+        sets them first)."""
+        keep = (graph, params)
+        ev = self._graph_c(handle, graph.lock, graph.applied, params.ops, keep)
+        if ev is not None:
+            return ev  # type: ignore[return-value]
         self.backend.make_current()
         with self._submit_lock:
             self._before_submit()
-            if self._pending is None:
-                err = cu.cuGraphLaunch(exe, self.raw)[0]
-                if err != _SUCCESS:
-                    raise _error(err, "cuGraphLaunch")
-            else:
-                self._pending.append((self._seq + 1, partial(_graph_launch, exe, self.raw)))
+            self._issue(self._seq + 1, graph.launch, exe, params, self.raw)
             self._after_copy = False
             ev = self._mark(keep)
         self._prune()
