@@ -3294,7 +3294,7 @@ static int exiting = 0;              /* the interpreter is exiting (set_exiting(
 #define DTYPE_CACHE_MAX 256
 static PyObject *s_release_memory, *s_open, *s_trace, *s_grid_dim, *s_block_dim,
     *s_launch, *s_alloc_ptr, *s_itemsize, *s_general_function, *s_general_create, *empty_tuple,
-    *s_backend, *s_alloc_device, *s_record, *s_kernel, *s_name;
+    *s_alloc_device, *s_record, *s_kernel, *s_name;
 
 /* A dropped buffer that owns memory: a device allocation of a CUDA stream goes
  * back to the stream's kept buffers here, without Python, when the stream keeps
@@ -3813,18 +3813,15 @@ static PyObject *cached_dtype(PyObject *key) {
     return entry;
 }
 
-/* A new allocation of nbytes for the context's stream, from its backend
- * (state.backend.alloc_device(nbytes, impl): cuMemAllocFromPoolAsync, in
- * Python), or NULL with an exception (out of memory: DeviceError). */
+/* A new allocation of nbytes for the context's stream (impl.alloc_device(nbytes):
+ * the backend's cuMemAllocFromPoolAsync, in Python, under the stream's submit
+ * lock and refused once the context is closing), or NULL with an exception
+ * (out of memory: DeviceError; closing: ContextClosedError). */
 static PyObject *alloc_from_backend(ContextCore *c, Py_ssize_t nbytes) {
-    PyObject *backend, *n, *a;
-    backend = PyObject_GetAttr(c->state, s_backend);
-    if (backend == NULL)
-        return NULL;
+    PyObject *n, *a;
     n = PyLong_FromSsize_t(nbytes);
-    a = n == NULL ? NULL : PyObject_CallMethodObjArgs(backend, s_alloc_device, n, c->impl, NULL);
+    a = n == NULL ? NULL : PyObject_CallMethodObjArgs(c->impl, s_alloc_device, n, NULL);
     Py_XDECREF(n);
-    Py_DECREF(backend);
     return a;
 }
 
@@ -3861,24 +3858,42 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
     if (count <= 0 || itemsize <= 0 || count > PY_SSIZE_T_MAX / itemsize)
         Py_RETURN_NONE;
     nbytes = count * itemsize;
+    /* The buffer object first: its allocation may run the collector, and so
+     * other threads; from the closing flag's read to the return below no Python
+     * code runs, so a close() on another thread either set the flag before
+     * (and the general path refuses) or runs on only once the buffer is
+     * whole. (The flag is set under the submit lock, which this path does not
+     * take: the GIL orders the two.) */
+    alloc = (allocfunc)PyType_GetSlot(device_buffer_type, Py_tp_alloc);
+    b = (BufferCore *)alloc(device_buffer_type, 0);
+    if (b == NULL)
+        return NULL;
+    if (((StreamCore *)c->impl)->closing) {
+        Py_DECREF(b);
+        Py_RETURN_NONE; /* the general path raises ContextClosedError */
+    }
     a = spare_take((SpareCore *)sp, nbytes, &ptr);
     if (a == NULL) {
         PyObject *o;
         a = alloc_from_backend(c, nbytes);
-        if (a == NULL)
+        if (a == NULL) {
+            Py_DECREF(b);
             return NULL;
+        }
         ptr = 0;
         if (Py_TYPE(a) == device_alloc_type) {
             o = PyObject_GetAttr(a, s_alloc_ptr);
             if (o == NULL || as_u64(o, &ptr) < 0) {
                 Py_XDECREF(o);
                 Py_DECREF(a);
+                Py_DECREF(b);
                 return NULL;
             }
             Py_DECREF(o);
         }
         if (ptr == 0) {
             /* another kind of allocation: DeviceBuffer.__init__ reads what it needs */
+            Py_DECREF(b);
             b = (BufferCore *)PyObject_CallFunctionObjArgs(
                 (PyObject *)device_buffer_type, (PyObject *)c, a, PyTuple_GetItem(entry, 0), size,
                 c->impl, NULL);
@@ -3890,14 +3905,8 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
          * for the general path */
         spare_keep((SpareCore *)sp, a, nbytes, ptr);
         Py_DECREF(a);
+        Py_DECREF(b);
         Py_RETURN_NONE;
-    }
-    alloc = (allocfunc)PyType_GetSlot(device_buffer_type, Py_tp_alloc);
-    b = (BufferCore *)alloc(device_buffer_type, 0);
-    if (b == NULL) {
-        spare_keep((SpareCore *)sp, a, nbytes, ptr);
-        Py_DECREF(a);
-        return NULL;
     }
     /* as _BufferBase.__init__(ctx, alloc, dtype, size, owner) sets them */
     b->alloc = a;
@@ -4229,7 +4238,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_itemsize = intern("itemsize");
     s_general_function = intern("_enqueue_function");
     s_general_create = intern("_enqueue_create_buffer");
-    s_backend = intern("backend");
     s_alloc_device = intern("alloc_device");
     s_record = intern("record");
     s_kernel = intern("kernel");
@@ -4243,7 +4251,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     dtype_cache = PyDict_New();
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
         !s_refuse_closed ||
-        !s_backend || !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
+        !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
         !s_finish_retired || !s_need || !s_impl || !s_last ||
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
         !s_trace_end ||

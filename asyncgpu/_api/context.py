@@ -467,31 +467,38 @@ class DeviceContext(native.ContextCore):
         """``enqueue_create_buffer``: a device buffer of ``size`` elements,
         allocated in stream order on the current stream from the device's memory
         pool (``cuMemAllocFromPoolAsync``). It is owned by the current stream and
-        freed on it. (The general path, which the compiled
-        ``ContextCore.enqueue_create_buffer`` falls back to where the current
-        stream kept no memory of that size.)"""
+        freed on it. An allocation that overlaps ``close()`` on another thread
+        either ends before the close goes on (and its buffer is one of the
+        closed context) or raises ``ContextClosedError``. (The general path,
+        which the compiled ``ContextCore.enqueue_create_buffer`` falls back to
+        where the current stream kept no memory of that size.)"""
         self._check_open()
         dt = as_dtype(dtype)
         size = check_size(size)
-        alloc = self._state.backend.alloc_device(alloc_bytes(dt, size), self._impl)
+        alloc = self._impl.alloc_device(alloc_bytes(dt, size))
         return DeviceBuffer(self, alloc, dt, size, self._impl)
 
     if TYPE_CHECKING:  # ContextCore's, which takes the same arguments (the class docstring)
         enqueue_create_buffer = _enqueue_create_buffer
 
     def create_buffer_sync(self, dtype: Any, size: int) -> DeviceBuffer:
-        """Like ``enqueue_create_buffer``, then blocks until the allocation is done."""
+        """Like ``enqueue_create_buffer``, then blocks until the allocation is done
+        (``cuStreamSynchronize``); ``ContextClosedError`` if the context was
+        closed meanwhile."""
         buf = self.enqueue_create_buffer(dtype, size)
-        self._impl.synchronize()
+        self.synchronize()
         return buf
 
     def enqueue_create_host_buffer(self, dtype: Any, size: int) -> HostBuffer:
         """A page-locked host buffer of ``size`` elements the device can reach (from
-        the pinned pool on CUDA; plain host memory on the CPU device)."""
+        the pinned pool on CUDA, ``cuMemHostAlloc`` when the pool has no block of
+        that size, which blocks; plain host memory on the CPU device). Like
+        ``enqueue_create_buffer``, refused with ``ContextClosedError`` once a
+        ``close()`` on another thread has begun."""
         self._check_open()
         dt = as_dtype(dtype)
         size = check_size(size)
-        alloc = self._state.backend.alloc_host(alloc_bytes(dt, size), self._impl)
+        alloc = self._impl.alloc_host(alloc_bytes(dt, size))
         return HostBuffer(self, alloc, dt, size, self._impl)
 
     # -- copies ------------------------------------------------------------------------------

@@ -236,9 +236,9 @@ class CpuStream(_StreamImpl):
     def tail(self) -> DeviceEvent | None:
         return self._tail
 
-    def begin_close(self) -> None:
-        with self._lock:
-            self._closing = True
+    @property
+    def _submission_lock(self) -> Any:
+        return self._lock
 
     def record(self, ev: _UserEvent) -> None:
         with self._lock:

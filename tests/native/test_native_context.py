@@ -82,6 +82,7 @@ class Setup:
         ctx._state = SimpleNamespace(closed=False, trace=None, backend=self.backend)
         ctx._ref = _Ref()
         ctx._impl = s
+        s.state = ctx._state
         self.kernel = _Kernel()
         self.fn = DeviceFunction(ctx, "k", self.kernel)
         self.cfg4 = SimpleNamespace(dims=(4, 1, 1, 256, 1, 1, 0))
@@ -439,6 +440,30 @@ def test_a_closed_context_creates_nothing_from_kept_memory(setup: Setup) -> None
     setup.ctx._state.closed = True
     assert setup.ctx.enqueue_create_buffer(np.uint8, 512) == "general"
     assert setup.stream.s.spare.kept()
+
+
+def test_a_closing_stream_creates_nothing_from_kept_memory(setup: Setup) -> None:
+    """Once ``close()`` has begun on the stream (``_closing``, while the context's
+    own open check still passes), the C path neither takes kept memory nor
+    allocates: the Python method raises ``ContextClosedError``."""
+    _kept_alloc(setup, 512)
+    setup.stream.s._closing = True
+    assert setup.ctx.enqueue_create_buffer(np.uint8, 512) == "general"
+    assert setup.ctx.enqueue_create_buffer(np.uint8, 64) == "general"
+    assert setup.stream.s.spare.kept() and setup.backend.calls == []
+
+
+def test_a_new_allocation_in_c_is_the_streams_under_its_submit_lock(setup: Setup) -> None:
+    """The C path's allocation is the stream's ``alloc_device``: made while the
+    submit lock is held (the lock ``close()`` sets the closing flag under)."""
+    held: list[bool] = []
+    lock = setup.stream.s._submit_lock
+    setup.backend.allocation = lambda nbytes: (
+        held.append(lock._is_owned()),
+        _memory._DeviceAlloc(None, _CoreBuffer(0x9000_0000), None, nbytes),  # type: ignore[arg-type]
+    )[1]
+    b = setup.ctx.enqueue_create_buffer(np.uint8, 64)
+    assert type(b) is DeviceBuffer and held == [True]
 
 
 # -- the extension's RLock ------------------------------------------------------------
