@@ -13,8 +13,9 @@
  * into the stream's parameter memory, 8 bytes per argument, and launches. An
  * argument whose type differs from the plan's makes the call return -1 before
  * anything is launched, and the caller takes its general path; so does a
- * buffer that no longer owns memory or whose context is closed (the general
- * path raises the precise error).
+ * buffer that no longer owns memory, whose context is closed or that belongs
+ * to another context than the launch's (the general path raises the precise
+ * error, or passes a buffer another context may share).
  *
  * Limited API (abi3), so one build serves every CPython from 3.10 on. Every
  * driver call releases the GIL, as cuda.bindings does: a launch blocks when
@@ -48,7 +49,7 @@ static PyObject *s_ptr, *s_alloc, *s_ctx, *s_state, *s_closed; /* attribute name
 
 /* Argument codes of a plan (one byte per argument). */
 enum {
-    A_PTR = 'P',   /* an asyncgpu buffer: its _ptr (checked: _alloc, _ctx._state.closed) */
+    A_PTR = 'P',   /* an asyncgpu buffer: its _ptr (checked: _alloc, _ctx._state) */
     A_F32 = 'f',   /* a NumPy float32 (anything float() takes) */
     A_F64 = 'd',
     A_I8 = 'b',
@@ -320,8 +321,12 @@ static PyTypeObject *kernel_core_seen[2];
 
 /* 1 if the buffer ``a`` may be used (it owns memory and its context is open),
  * 0 if not (the caller's general path raises the precise error), -1 on error.
- * core: ``a`` is a BufferCore (its fields are read directly). open_state: a
- * context state the caller has just found open (enqueue_function's), or NULL. */
+ * core: ``a`` is a BufferCore (its fields are read directly). open_state: the
+ * state of the launching context, which the caller has found open
+ * (enqueue_function's, or the stream's own), or NULL: then any open context's
+ * buffer is packed. A buffer of a context other than open_state is left to
+ * the general path, which applies the rule for buffers of other contexts
+ * (ops.check_kernel_buffer): the common case costs the one identity test. */
 static int usable(PyObject *a, int core, PyObject *open_state) {
     PyObject *o, *ctx, *state;
     int rc;
@@ -359,6 +364,10 @@ static int usable(PyObject *a, int core, PyObject *open_state) {
     if (state == open_state) {
         Py_DECREF(state);
         return 1;
+    }
+    if (open_state != NULL) {
+        Py_DECREF(state);
+        return 0;
     }
     rc = state_closed(state);
     Py_DECREF(state);
@@ -1865,6 +1874,9 @@ typedef struct {
     PyObject *fn_of, *plan_of, *plan_types, *plan_codes, *mem_plan, *mem_of, *cfg_of;
     /* the device buffers the stream keeps (a SpareCore; NULL or None: none) */
     PyObject *spare;
+    /* the context state the stream belongs to (_StreamImpl.state): a launch
+     * packs buffers of that context only (see usable()) */
+    PyObject *state;
     unsigned long long fn_handle, mem_addr, mem_ptrs, cfg_dims[7];
     long long seq, marked, awaited, issued_mark, counter_mark, done_seq;
     unsigned long long h, caddr;
@@ -1907,6 +1919,7 @@ static PyMemberDef stream_members[] = {
     {"_kernel_event_markers", T_BOOL, offsetof(StreamCore, kernel_event_markers), 0, NULL},
     {"_closing", T_BOOL, offsetof(StreamCore, closing), 0, NULL},
     {"spare", T_OBJECT, offsetof(StreamCore, spare), 0, NULL},
+    {"state", T_OBJECT, offsetof(StreamCore, state), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1915,6 +1928,7 @@ static int stream_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(s->inflight);
     Py_VISIT(s->pending);
+    Py_VISIT(s->state);
     Py_VISIT(s->submit_lock);
     Py_VISIT(s->param_mem);
     Py_VISIT(s->events);
@@ -1952,6 +1966,7 @@ static int stream_clear(PyObject *self) {
     StreamCore *s = (StreamCore *)self;
     Py_CLEAR(s->inflight);
     Py_CLEAR(s->pending);
+    Py_CLEAR(s->state);
     Py_CLEAR(s->submit_lock);
     Py_CLEAR(s->param_mem);
     Py_CLEAR(s->events);
@@ -2955,13 +2970,16 @@ static PyObject *stream_launch(PyObject *self, PyObject *const *args, PyObject *
     return ev;
 }
 
-/* StreamCore._launch_c(fn, args, cfg, constant_memory): stream_launch. */
+/* StreamCore._launch_c(fn, args, cfg, constant_memory): stream_launch, packing
+ * buffers of the stream's own context only (a launch reaches it from
+ * enqueue_function's general path, which has found that context open). */
 static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    PyObject *state = ((StreamCore *)self)->state;
     if (n != 4) {
         PyErr_SetString(PyExc_TypeError, "launch(fn, args, cfg, constant_memory)");
         return NULL;
     }
-    return stream_launch(self, args, NULL);
+    return stream_launch(self, args, state == Py_None ? NULL : state);
 }
 
 /* The copy proper, under the stream's submit lock: a new event, None (the

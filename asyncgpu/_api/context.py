@@ -35,8 +35,8 @@ from .._core.memory import (
     as_dtype,
     check_size,
 )
+from .._core.ops import check_kernel_buffer, copy_operands
 from .._core.ops import check_writable as _check_writable
-from .._core.ops import copy_operands
 from .._core.state import _ContextState, _open_states, _Ref
 from .._core.stream import _StreamImpl
 from .._core.trace import Trace
@@ -565,7 +565,8 @@ class DeviceContext(native.ContextCore):
         self._check_open()
         if not isinstance(dst, _BufferBase):
             raise TypeError(f"enqueue_memset needs a DeviceBuffer or HostBuffer, not {dst!r}")
-        dst._check()
+        if dst._ctx._state is not self._state or dst._alloc is None:
+            check_kernel_buffer(self._state, dst, "enqueue_memset")
         _check_writable(dst)
         value = _scalar_for(dst._dtype, val)
         if dst._dtype.itemsize not in (1, 2, 4, 8):

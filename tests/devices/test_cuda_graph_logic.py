@@ -78,10 +78,12 @@ class _Backend:
 
 
 class _Fn:
-    """A compiled function as the graph reads it: its name and loaded kernel."""
+    """A compiled function as the graph reads it: its name, loaded kernel and
+    context (whose buffers its arguments are)."""
 
-    def __init__(self, sizes: tuple[int, ...]) -> None:
+    def __init__(self, sizes: tuple[int, ...], ctx: Any = None) -> None:
         self.name = "k"
+        self._ctx = ctx
         self._impl = type(
             "Impl", (), {"name": "k", "param_sizes": sizes, "kernel": "kernel", "plans": {}}
         )()
@@ -101,7 +103,7 @@ def test_nodes_and_edges_become_cuda_core_calls(fake_core: type[_Definition]) ->
         x = cpu.enqueue_create_buffer(np.int64, 10)
         y = cpu.enqueue_create_buffer(np.int64, 10)
         g = GraphDefinition()
-        a = g.add(KERNEL, KernelOp(_Fn((8, 4)), (x, np.int32(10)), PLAIN), ())
+        a = g.add(KERNEL, KernelOp(_Fn((8, 4), cpu), (x, np.int32(10)), PLAIN), ())
         b = g.add(MEMSET, MemsetOp(y, np.int64(-2), 10), ())  # 8-byte elements
         c = g.add(COPY, CopyOp(x, y, 80), (a._index, b._index))
         g.add(COPY, CopyOp(x, y, 0), (c._index,))  # nothing to copy: a join

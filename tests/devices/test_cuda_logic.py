@@ -124,11 +124,11 @@ def test_kernel_arguments_are_checked_once_per_type_tuple() -> None:
     args = (np.float32(2), _Cai(0x1000), _Cai(0x2000))
     plan = _launch._plan(impl, args)
     assert impl.last is plan and plan.foreign and plan.codes is None
-    assert list(_launch._kernel_args(plan, args)) == [np.float32(2), 0x1000, 0x2000]
+    assert list(_launch._kernel_args(plan, args, None)) == [np.float32(2), 0x1000, 0x2000]
     assert len(impl.plans) == 1
     again = (np.float32(3), _Cai(0x3000), _Cai(0x4000))  # same types: the cached plan
     assert _launch._plan(impl, again) is plan
-    assert list(_launch._kernel_args(plan, again)) == [np.float32(3), 0x3000, 0x4000]
+    assert list(_launch._kernel_args(plan, again, None)) == [np.float32(3), 0x3000, 0x4000]
     assert len(impl.plans) == 1
     scalars = (np.float32(1),)
     with pytest.raises(TypeError, match="takes 3 arguments, 1 given"):
@@ -148,7 +148,7 @@ def test_scalar_only_arguments_pass_through_unchanged() -> None:
     impl = _Impl(None)  # a kernel loaded from a cubin: no signature known
     args = (np.int32(1), np.int64(2))
     plan = _launch._plan(impl, args)
-    assert _launch._kernel_args(plan, args) is args and not plan.foreign
+    assert _launch._kernel_args(plan, args, None) is args and not plan.foreign
     assert plan.codes is None  # no signature: the compiled launch does not pack (cuda.core's)
 
 

@@ -238,6 +238,34 @@ def test_a_buffer_of_a_closed_context_is_not_taken_for_one_of_the_launching_cont
     assert len(handed_back) == 1  # the stream's general path, which raises the error
 
 
+@pytest.mark.parametrize("path", ["enqueue_function", "stream launch"])
+def test_a_buffer_of_another_open_context_goes_to_the_general_path(setup: Setup, path: str) -> None:
+    """A buffer of another context, open or not, is never packed: the general
+    path decides by the rule for other contexts' buffers (the compiled path's
+    only test is the identity of the buffer's state with the launch's), whether
+    the launch comes from ``enqueue_function`` or from the stream's ``launch``
+    (the general ``enqueue_function``'s way down, which packs buffers of the
+    stream's own context)."""
+    from test_native import Buf
+
+    mine, theirs = Buf(0x1000), Buf(0x2000)
+    mine._ctx = setup.ctx
+    setup.stream.s.state = setup.ctx._state
+    setup.plan((mine,), b"P")
+    handed_back: list[Any] = []
+    setup.stream.s._launch = lambda *a: handed_back.append(a)
+
+    def launch(buf: Any) -> None:
+        if path == "enqueue_function":
+            setup.ctx.enqueue_function(setup.fn, buf, grid_dim=4, block_dim=256)
+        else:
+            setup.stream.s.launch(setup.fn, (buf,), setup.cfg4, ())
+
+    launch(mine)
+    launch(theirs)
+    assert len(setup.driver.launches) == 1 and len(handed_back) == 1
+
+
 # -- enqueue_create_buffer and dropping a buffer ----------------------------------------
 
 

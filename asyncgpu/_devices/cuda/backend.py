@@ -305,6 +305,15 @@ class CudaBackend:
             return False  # not its own peer: cuDeviceCanAccessPeer(d, d) answers 0 too
         return bool(_check(cu.cuDeviceCanAccessPeer(self.dev, other.dev), "cuDeviceCanAccessPeer"))
 
+    def reaches(self, other: Any) -> bool:
+        """Its own device's memory (every context of a device shares the primary
+        context), and a peer's once ``enable_peer_access`` has enabled it here
+        (peer access enabled by another library is not seen: enabling it again
+        is harmless)."""
+        return other.device_id == self.device_id or (
+            (self.device_id, other.device_id) in _peer_enabled
+        )
+
     def enable_peer_access(self, other: Any) -> None:
         if not isinstance(other, CudaBackend):
             raise UnsupportedError("peer access is between CUDA devices")

@@ -118,7 +118,7 @@ def _add(gd: Any, base: Any, n: DeviceGraphNode) -> Any:
                 f"kernel {fn.name!r}: a graph's kernel node cannot take a structured scalar; "
                 "pass the struct's fields instead"
             )
-        return base.launch(cfg.cc, impl.kernel, *_kernel_args(plan, op.args))
+        return base.launch(cfg.cc, impl.kernel, *_kernel_args(plan, op.args, fn._ctx._state))
     if n.kind == COPY and op.nbytes:
         return base.memcpy(op.dst._ptr, op.src._ptr, op.nbytes)
     if n.kind == MEMSET and op.count:
