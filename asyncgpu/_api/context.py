@@ -40,7 +40,7 @@ from .._core.ops import check_writable as _check_writable
 from .._core.state import _ContextState, _open_states, _Ref
 from .._core.stream import _StreamImpl
 from .._core.trace import Trace
-from .._core.trace_json import write_chrome_trace
+from .._core.trace_json import TraceFile, write_chrome_trace
 from .._devices import backend_class, cuda_available
 from .._errors import ContextClosedError, NoDeviceError, UnsupportedError
 from .._types import (
@@ -126,7 +126,11 @@ class DeviceContext(native.ContextCore):
         self._ref = _Ref()
         self._ref.owner = weakref.ref(self)
         if (trace_path := _config.read_trace()) is not None:
-            self._state.trace = Trace(path=trace_path)
+            state = self._state
+            path = trace_path.replace("{ctx}", f"{state.api}{state.device_id}-{id(state):x}")
+            # Written by close(), or once the context is freed if it is dropped.
+            state.trace_file = TraceFile(state, Trace(path=path), path)
+            state.trace = state.trace_file.trace
 
     def _view(self, impl: _StreamImpl | None) -> DeviceContext:
         """A view of this context bound to ``impl`` (a new object, so that closing
@@ -180,14 +184,9 @@ class DeviceContext(native.ContextCore):
             state.refs -= 1
             last = state.refs == 0
         if last:
-            trace = state.trace
             state.close()
-            if trace is not None and trace.path:
-                with contextlib.suppress(Exception):
-                    path = trace.path.replace("{pid}", str(os.getpid())).replace(
-                        "{ctx}", f"{state.api}{state.device_id}-{id(state):x}"
-                    )
-                    write_chrome_trace(trace, path)
+            if state.trace_file is not None:
+                state.trace_file.write()
             if not _any_polled_open():
                 _engine.watcher.stop()
 
