@@ -415,6 +415,53 @@ def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> Non
         assert b.freed == 1
 
 
+def test_memory_running_short_frees_the_kept_buffers_of_streams_neither_closing_nor_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``CudaBackend._free_spare_buffers`` (before the retry of a failed
+    allocation, under the allocating stream's lock): each stream's kept buffers
+    are freed on it under its own lock; a closing stream's are left to its
+    close (which destroys the stream after freeing them), and a stream whose
+    lock another thread holds is passed over, never waited for (two streams
+    running short at once would wait for each other). The allocating stream's
+    own lock is re-entrant."""
+    import threading
+
+    from asyncgpu import _native
+
+    class _Stream:
+        def __init__(self, name: str) -> None:
+            self.cs = name
+            self._submission_lock = _native.RLock()
+            self._closing = False
+            self.spare = _memory._SpareBuffers(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
+            self.kept = _Alloc()
+            assert self.spare.keep(self.kept, 256)
+
+    mine, other, closing, busy = (_Stream(n) for n in ("mine", "other", "closing", "busy"))
+    closing._closing = True
+    monkeypatch.setattr(_backend, "_all_streams", lambda b: [mine, other, closing, busy])
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with busy._submission_lock:
+            held.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(30)
+    try:
+        with mine._submission_lock:  # (as the failed allocation holds it)
+            assert _backend.CudaBackend._free_spare_buffers(object())  # type: ignore[arg-type]
+    finally:
+        done.set()
+        holder.join(30)
+    assert mine.kept.freed_on == "mine" and other.kept.freed_on == "other"
+    assert closing.kept.freed_on is None and closing.spare.kept()
+    assert busy.kept.freed_on is None and busy.spare.kept()
+
+
 # -- which marker follows an operation ---------------------------------------------------
 # A counter write (cuStreamWriteValue64) right after a copy waits, in its memory fence,
 # for the copy engines; on the H200 that cost a 4-stream copy/kernel pipeline a tenth of

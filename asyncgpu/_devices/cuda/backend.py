@@ -508,12 +508,23 @@ class CudaBackend:
 
     def _free_spare_buffers(self) -> bool:
         """Free the buffers every live stream of the device keeps; True if there
-        were any."""
+        were any. Each stream's are freed on it under its submission lock, and
+        not once it is closing (its close frees them before it destroys the
+        stream, which a free racing with it could find gone). A stream whose
+        lock another thread holds is passed over rather than waited for: this
+        runs under the allocating stream's lock, and two allocations failing at
+        once on two streams would each wait for the other's."""
         freed = False
         for s in _all_streams(self):
-            if s.spare.kept():
-                freed = True
-                s.spare.free(s.cs, False)
+            lock = s._submission_lock
+            if not lock.acquire(False):
+                continue
+            try:
+                if not s._closing and s.spare.kept():
+                    freed = True
+                    s.spare.free(s.cs, False)
+            finally:
+                lock.release()
         return freed
 
     def alloc_host(self, nbytes: int, stream: _StreamImpl) -> _PinnedAlloc:
