@@ -491,9 +491,9 @@ class DeviceContext(native.ContextCore):
     def enqueue_create_host_buffer(self, dtype: Any, size: int) -> HostBuffer:
         """A page-locked host buffer of ``size`` elements the device can reach (from
         the pinned pool on CUDA, ``cuMemHostAlloc`` when the pool has no block of
-        that size, which blocks; plain host memory on the CPU device). Like
-        ``enqueue_create_buffer``, refused with ``ContextClosedError`` once a
-        ``close()`` on another thread has begun."""
+        that size, which blocks; plain host memory on the CPU device).
+        ``ContextClosedError`` if a ``close()`` on another thread has begun
+        by the time the memory is there (it is given back)."""
         self._check_open()
         dt = as_dtype(dtype)
         size = check_size(size)

@@ -519,37 +519,58 @@ def test_a_closing_stream_refuses_every_kind_of_submission(ctx: Any, gate: Any) 
     assert spare is None or spare.kept()  # (nothing taken)
 
 
-@pytest.mark.parametrize("kind", ["device", "host"])
-def test_an_allocation_overlapping_close_ends_before_the_close_goes_on(
-    ctx: Any, monkeypatch: pytest.MonkeyPatch, kind: str
-) -> None:
-    """An allocation is in progress (held up inside the backend's allocator)
-    when another thread closes the context: the close waits for it (it sets
-    its refusal flag under the lock the allocation holds), so the allocation
-    ends with a buffer, and only then does the close go on to wait for the
-    work and release the streams (on CUDA the allocation is on a stream the
-    close destroys)."""
+def _held_up_allocator(
+    ctx: Any, monkeypatch: pytest.MonkeyPatch, name: str
+) -> tuple[Any, Any, list[str], list[Any]]:
+    """The backend's ``name`` (``alloc_device`` or ``alloc_host``) made to wait
+    for ``go`` once it is called (``allocating`` set); ``order`` gets
+    "allocated" when it returns, ``released`` each stream its memory is given
+    back on."""
     import threading
 
-    import numpy as np
-
     backend = ctx._state.backend
-    name = "alloc_device" if kind == "device" else "alloc_host"
     real = getattr(backend, name)
     allocating, go = threading.Event(), threading.Event()
     order: list[str] = []
+    released: list[Any] = []
+
+    class Probe:
+        def __init__(self, alloc: Any) -> None:
+            self.alloc, self.ptr, self.host = alloc, alloc.ptr, alloc.host
+
+        def release(self, stream: Any) -> None:
+            released.append(stream)
+            self.alloc.release(stream)
 
     def held_up(nbytes: int, stream: Any) -> Any:
         allocating.set()
         assert go.wait(30)
         out = real(nbytes, stream)
         order.append("allocated")
-        return out
+        return out if name == "alloc_device" else Probe(out)
 
     monkeypatch.setattr(backend, name, held_up)
-    create = ctx.enqueue_create_buffer if kind == "device" else ctx.enqueue_create_host_buffer
+    return allocating, go, order, released
+
+
+def test_a_device_allocation_overlapping_close_ends_before_the_close_goes_on(
+    ctx: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device allocation is in progress (held up inside the backend's
+    allocator, under the stream's submission lock) when another thread closes
+    the context: the close waits for it (it sets its refusal flag under that
+    lock), so the allocation ends with a buffer, and only then does the close
+    go on to wait for the work and release the streams (on CUDA the memory is
+    allocated on a stream the close destroys)."""
+    import threading
+
+    import numpy as np
+
+    allocating, go, order, _ = _held_up_allocator(ctx, monkeypatch, "alloc_device")
     made: list[Any] = []
-    allocator = threading.Thread(target=lambda: made.append(create(np.int32, 1000)))
+    allocator = threading.Thread(
+        target=lambda: made.append(ctx.enqueue_create_buffer(np.int32, 1000))
+    )
     allocator.start()
     assert allocating.wait(30)
 
@@ -565,6 +586,39 @@ def test_an_allocation_overlapping_close_ends_before_the_close_goes_on(
     closer.join(30)
     assert order == ["allocated", "closed"]
     assert len(made) == 1 and len(made[0]) == 1000 and made[0]._ctx._state.closed
+
+
+def test_a_host_allocation_overlapping_close_is_refused_and_given_back(
+    ctx: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host buffer's memory is taken outside the submission lock (no stream is
+    used, and pinning can block for long), so a close does not wait for it:
+    the allocation that ends after the close has begun keeps nothing, gives
+    its memory back and raises ``ContextClosedError``."""
+    import threading
+
+    import numpy as np
+
+    from asyncgpu import ContextClosedError
+
+    allocating, go, order, released = _held_up_allocator(ctx, monkeypatch, "alloc_host")
+    outcome: list[Any] = []
+
+    def allocate() -> None:
+        try:
+            outcome.append(ctx.enqueue_create_host_buffer(np.int32, 1000))
+        except ContextClosedError as e:
+            outcome.append(e)
+
+    allocator = threading.Thread(target=allocate)
+    allocator.start()
+    assert allocating.wait(30)
+    impl = ctx._impl
+    ctx.close()  # (returns with the allocation still held up)
+    go.set()
+    allocator.join(30)
+    assert order == ["allocated"] and released == [impl]
+    assert len(outcome) == 1 and isinstance(outcome[0], ContextClosedError)
 
 
 def test_allocations_racing_close_return_a_buffer_or_are_refused(api: str) -> None:
