@@ -169,7 +169,8 @@ def read_num_streams(env: Env = os.environ) -> int:
 
 
 def read_trace(env: Env = os.environ) -> str | None:
-    """``ASYNCGPU_TRACE``: where every new context writes its trace, or None."""
+    """``ASYNCGPU_TRACE``: where every new context writes its trace (at its
+    close, or once it is freed if dropped), or None."""
     return _raw(env, "ASYNCGPU_TRACE") or None
 
 

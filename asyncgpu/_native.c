@@ -13,8 +13,9 @@
  * into the stream's parameter memory, 8 bytes per argument, and launches. An
  * argument whose type differs from the plan's makes the call return -1 before
  * anything is launched, and the caller takes its general path; so does a
- * buffer that no longer owns memory or whose context is closed (the general
- * path raises the precise error).
+ * buffer that no longer owns memory, whose context is closed or that belongs
+ * to another context than the launch's (the general path raises the precise
+ * error, or passes a buffer another context may share).
  *
  * Limited API (abi3), so one build serves every CPython from 3.10 on. Every
  * driver call releases the GIL, as cuda.bindings does: a launch blocks when
@@ -51,7 +52,7 @@ static PyObject *s_ptr, *s_alloc, *s_ctx, *s_state, *s_closed; /* attribute name
 
 /* Argument codes of a plan (one byte per argument). */
 enum {
-    A_PTR = 'P',   /* an asyncgpu buffer: its _ptr (checked: _alloc, _ctx._state.closed) */
+    A_PTR = 'P',   /* an asyncgpu buffer: its _ptr (checked: _alloc, _ctx._state) */
     A_F32 = 'f',   /* a NumPy float32 (anything float() takes) */
     A_F64 = 'd',
     A_I8 = 'b',
@@ -327,8 +328,12 @@ static PyTypeObject *kernel_core_seen[2];
 
 /* 1 if the buffer ``a`` may be used (it owns memory and its context is open),
  * 0 if not (the caller's general path raises the precise error), -1 on error.
- * core: ``a`` is a BufferCore (its fields are read directly). open_state: a
- * context state the caller has just found open (enqueue_function's), or NULL. */
+ * core: ``a`` is a BufferCore (its fields are read directly). open_state: the
+ * state of the launching context, which the caller has found open
+ * (enqueue_function's, or the stream's own), or NULL: then any open context's
+ * buffer is packed. A buffer of a context other than open_state is left to
+ * the general path, which applies the rule for buffers of other contexts
+ * (ops.check_kernel_buffer): the common case costs the one identity test. */
 static int usable(PyObject *a, int core, PyObject *open_state) {
     PyObject *o, *ctx, *state;
     int rc;
@@ -366,6 +371,10 @@ static int usable(PyObject *a, int core, PyObject *open_state) {
     if (state == open_state) {
         Py_DECREF(state);
         return 1;
+    }
+    if (open_state != NULL) {
+        Py_DECREF(state);
+        return 0;
     }
     rc = state_closed(state);
     Py_DECREF(state);
@@ -1872,6 +1881,9 @@ typedef struct {
     PyObject *fn_of, *plan_of, *plan_types, *plan_codes, *mem_plan, *mem_of, *cfg_of;
     /* the device buffers the stream keeps (a SpareCore; NULL or None: none) */
     PyObject *spare;
+    /* the context state the stream belongs to (_StreamImpl.state): a launch
+     * packs buffers of that context only (see usable()) */
+    PyObject *state;
     unsigned long long fn_handle, mem_addr, mem_ptrs, cfg_dims[7];
     long long seq, marked, awaited, issued_mark, counter_mark, done_seq;
     unsigned long long h, caddr;
@@ -1914,6 +1926,7 @@ static PyMemberDef stream_members[] = {
     {"_kernel_event_markers", T_BOOL, offsetof(StreamCore, kernel_event_markers), 0, NULL},
     {"_closing", T_BOOL, offsetof(StreamCore, closing), 0, NULL},
     {"spare", T_OBJECT, offsetof(StreamCore, spare), 0, NULL},
+    {"state", T_OBJECT, offsetof(StreamCore, state), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1922,6 +1935,7 @@ static int stream_traverse(PyObject *self, visitproc visit, void *arg) {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(s->inflight);
     Py_VISIT(s->pending);
+    Py_VISIT(s->state);
     Py_VISIT(s->submit_lock);
     Py_VISIT(s->param_mem);
     Py_VISIT(s->events);
@@ -1959,6 +1973,7 @@ static int stream_clear(PyObject *self) {
     StreamCore *s = (StreamCore *)self;
     Py_CLEAR(s->inflight);
     Py_CLEAR(s->pending);
+    Py_CLEAR(s->state);
     Py_CLEAR(s->submit_lock);
     Py_CLEAR(s->param_mem);
     Py_CLEAR(s->events);
@@ -2967,13 +2982,16 @@ static PyObject *stream_launch(PyObject *self, PyObject *const *args, PyObject *
     return ev;
 }
 
-/* StreamCore._launch_c(fn, args, cfg, constant_memory): stream_launch. */
+/* StreamCore._launch_c(fn, args, cfg, constant_memory): stream_launch, packing
+ * buffers of the stream's own context only (a launch reaches it from
+ * enqueue_function's general path, which has found that context open). */
 static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    PyObject *state = ((StreamCore *)self)->state;
     if (n != 4) {
         PyErr_SetString(PyExc_TypeError, "launch(fn, args, cfg, constant_memory)");
         return NULL;
     }
-    return stream_launch(self, args, NULL);
+    return stream_launch(self, args, state == Py_None ? NULL : state);
 }
 
 /* The copy proper, under the stream's submit lock: a new event, None (the
@@ -3382,7 +3400,7 @@ static int exiting = 0;              /* the interpreter is exiting (set_exiting(
 #define DTYPE_CACHE_MAX 256
 static PyObject *s_release_memory, *s_open, *s_trace, *s_grid_dim, *s_block_dim,
     *s_launch, *s_alloc_ptr, *s_itemsize, *s_general_function, *s_general_create, *empty_tuple,
-    *s_backend, *s_alloc_device, *s_record, *s_kernel, *s_name;
+    *s_alloc_device, *s_record, *s_kernel, *s_name;
 
 /* A dropped buffer that owns memory: a device allocation of a CUDA stream goes
  * back to the stream's kept buffers here, without Python, when the stream keeps
@@ -3901,18 +3919,15 @@ static PyObject *cached_dtype(PyObject *key) {
     return entry;
 }
 
-/* A new allocation of nbytes for the context's stream, from its backend
- * (state.backend.alloc_device(nbytes, impl): cuMemAllocFromPoolAsync, in
- * Python), or NULL with an exception (out of memory: DeviceError). */
+/* A new allocation of nbytes for the context's stream (impl.alloc_device(nbytes):
+ * the backend's cuMemAllocFromPoolAsync, in Python, under the stream's submit
+ * lock and refused once the context is closing), or NULL with an exception
+ * (out of memory: DeviceError; closing: ContextClosedError). */
 static PyObject *alloc_from_backend(ContextCore *c, Py_ssize_t nbytes) {
-    PyObject *backend, *n, *a;
-    backend = PyObject_GetAttr(c->state, s_backend);
-    if (backend == NULL)
-        return NULL;
+    PyObject *n, *a;
     n = PyLong_FromSsize_t(nbytes);
-    a = n == NULL ? NULL : PyObject_CallMethodObjArgs(backend, s_alloc_device, n, c->impl, NULL);
+    a = n == NULL ? NULL : PyObject_CallMethodObjArgs(c->impl, s_alloc_device, n, NULL);
     Py_XDECREF(n);
-    Py_DECREF(backend);
     return a;
 }
 
@@ -3949,24 +3964,42 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
     if (count <= 0 || itemsize <= 0 || count > PY_SSIZE_T_MAX / itemsize)
         Py_RETURN_NONE;
     nbytes = count * itemsize;
+    /* The buffer object first: its allocation may run the collector, and so
+     * other threads; from the closing flag's read to the return below no Python
+     * code runs, so a close() on another thread either set the flag before
+     * (and the general path refuses) or runs on only once the buffer is
+     * whole. (The flag is set under the submit lock, which this path does not
+     * take: the GIL orders the two.) */
+    alloc = (allocfunc)PyType_GetSlot(device_buffer_type, Py_tp_alloc);
+    b = (BufferCore *)alloc(device_buffer_type, 0);
+    if (b == NULL)
+        return NULL;
+    if (((StreamCore *)c->impl)->closing) {
+        Py_DECREF(b);
+        Py_RETURN_NONE; /* the general path raises ContextClosedError */
+    }
     a = spare_take((SpareCore *)sp, nbytes, &ptr);
     if (a == NULL) {
         PyObject *o;
         a = alloc_from_backend(c, nbytes);
-        if (a == NULL)
+        if (a == NULL) {
+            Py_DECREF(b);
             return NULL;
+        }
         ptr = 0;
         if (Py_TYPE(a) == device_alloc_type) {
             o = PyObject_GetAttr(a, s_alloc_ptr);
             if (o == NULL || as_u64(o, &ptr) < 0) {
                 Py_XDECREF(o);
                 Py_DECREF(a);
+                Py_DECREF(b);
                 return NULL;
             }
             Py_DECREF(o);
         }
         if (ptr == 0) {
             /* another kind of allocation: DeviceBuffer.__init__ reads what it needs */
+            Py_DECREF(b);
             b = (BufferCore *)PyObject_CallFunctionObjArgs(
                 (PyObject *)device_buffer_type, (PyObject *)c, a, PyTuple_GetItem(entry, 0), size,
                 c->impl, NULL);
@@ -3978,14 +4011,8 @@ static PyObject *create_buffer_fast(ContextCore *c, PyObject *dtype, PyObject *s
          * for the general path */
         spare_keep((SpareCore *)sp, a, nbytes, ptr);
         Py_DECREF(a);
+        Py_DECREF(b);
         Py_RETURN_NONE;
-    }
-    alloc = (allocfunc)PyType_GetSlot(device_buffer_type, Py_tp_alloc);
-    b = (BufferCore *)alloc(device_buffer_type, 0);
-    if (b == NULL) {
-        spare_keep((SpareCore *)sp, a, nbytes, ptr);
-        Py_DECREF(a);
-        return NULL;
     }
     /* as _BufferBase.__init__(ctx, alloc, dtype, size, owner) sets them */
     b->alloc = a;
@@ -4317,7 +4344,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_itemsize = intern("itemsize");
     s_general_function = intern("_enqueue_function");
     s_general_create = intern("_enqueue_create_buffer");
-    s_backend = intern("backend");
     s_alloc_device = intern("alloc_device");
     s_record = intern("record");
     s_kernel = intern("kernel");
@@ -4331,7 +4357,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     dtype_cache = PyDict_New();
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
         !s_refuse_closed ||
-        !s_backend || !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
+        !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
         !s_finish_retired || !s_need || !s_impl || !s_last ||
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
         !s_trace_end ||

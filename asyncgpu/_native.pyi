@@ -84,6 +84,7 @@ class StreamCore:
     _kernel_event_markers: bool
     _closing: bool
     spare: Any
+    state: Any
     def _launch_c(
         self, fn: object, args: tuple[object, ...], cfg: object, constant_memory: object, /
     ) -> EventCore: ...

@@ -73,8 +73,7 @@ def _launch(em: Any, n: int, four: bool) -> None:
         em.bind(em.stub_driver(tmp), deferred=False)
         s = em.stream(0)
         ctx = em.context(s)
-        x, y = em._Buffer(0x1000), em._Buffer(0x2000)
-        x._ctx = y._ctx = ctx
+        x, y = em._Buffer(0x1000, ctx._state), em._Buffer(0x2000, ctx._state)
         a, k = np.float32(1.5), np.int32(7)
         args = (a, x, y, k) if four else ()
         f = em.function(ctx, em.kernel([s], args, b"fPPi" if four else b""), 1, 1)

@@ -109,20 +109,21 @@ class _Backend:
 
 class _Buffer(_accel.native.BufferCore):
     """What the launch path reads of a device buffer (in C fields, as asyncgpu's
-    buffers keep them)."""
+    buffers keep them): a buffer of the context whose state is ``state`` (a
+    launch packs buffers of its own context in C)."""
 
-    def __init__(self, ptr: int) -> None:
+    def __init__(self, ptr: int, state: Any) -> None:
         self._ptr = ptr
         self._alloc = object()
-        self._ctx = SimpleNamespace(_state=SimpleNamespace(closed=False))
+        self._ctx = SimpleNamespace(_state=state)
 
 
 def stream(index: int) -> Any:
     """A ``CudaStream`` as ``CudaStream.__init__`` makes one, without a driver."""
-    state = SimpleNamespace(device_id=0, api="cuda", closed=False)
+    state = SimpleNamespace(device_id=0, api="cuda", closed=False, backend=_Backend())
     s = _stream.CudaStream.__new__(_stream.CudaStream)
     _stream._PolledStream.__init__(s, state, index, 0)
-    s.backend, s.owned, s.is_closed = _Backend(), True, False
+    s.backend, s.owned, s.is_closed = state.backend, True, False
     s._events, s._copy_marks, s._free_events = None, deque(), []
     s._after_copy, s._counter_mark, s._done_seq, s._host_ops = False, 0, 0, 0
     s._marker_lock = threading.Lock()
@@ -147,11 +148,13 @@ class _CoreBuffer:
 
 def context(s: Any) -> DeviceContext:
     """A DeviceContext on the stream ``s``, as ``DeviceContext.__init__`` leaves
-    one (its state's ``closed`` and ``trace``, its reference), without a driver."""
+    one (its state's ``closed`` and ``trace``, its reference; the stream is the
+    state's from now on), without a driver."""
     state = object.__new__(_ContextState)
     state.closed, state.trace, state.backend = False, None, s.backend
     ctx = object.__new__(DeviceContext)
     ctx._state, ctx._ref, ctx._impl = state, _Ref(), s
+    s.state = state
     return ctx
 
 
@@ -233,7 +236,7 @@ def main() -> dict[str, Any]:
         lib = stub_driver(tmp)
         bind(lib, deferred=False)
         s = stream(0)
-        args = (np.float32(1.5), _Buffer(0x1000), _Buffer(0x2000), np.int32(7))
+        args = (np.float32(1.5), _Buffer(0x1000, s.state), _Buffer(0x2000, s.state), np.int32(7))
         f = kernel([s], args, b"fPPi")
 
         def fire() -> None:

@@ -35,12 +35,12 @@ from .._core.memory import (
     as_dtype,
     check_size,
 )
+from .._core.ops import check_kernel_buffer, copy_operands
 from .._core.ops import check_writable as _check_writable
-from .._core.ops import copy_operands
 from .._core.state import _ContextState, _open_states, _Ref
 from .._core.stream import _StreamImpl
 from .._core.trace import Trace
-from .._core.trace_json import write_chrome_trace
+from .._core.trace_json import TraceFile, write_chrome_trace
 from .._devices import backend_class, cuda_available
 from .._errors import ContextClosedError, NoDeviceError, UnsupportedError
 from .._types import (
@@ -126,7 +126,11 @@ class DeviceContext(native.ContextCore):
         self._ref = _Ref()
         self._ref.owner = weakref.ref(self)
         if (trace_path := _config.read_trace()) is not None:
-            self._state.trace = Trace(path=trace_path)
+            state = self._state
+            path = trace_path.replace("{ctx}", f"{state.api}{state.device_id}-{id(state):x}")
+            # Written by close(), or once the context is freed if it is dropped.
+            state.trace_file = TraceFile(state, Trace(path=path), path)
+            state.trace = state.trace_file.trace
 
     def _view(self, impl: _StreamImpl | None) -> DeviceContext:
         """A view of this context bound to ``impl`` (a new object, so that closing
@@ -180,14 +184,9 @@ class DeviceContext(native.ContextCore):
             state.refs -= 1
             last = state.refs == 0
         if last:
-            trace = state.trace
             state.close()
-            if trace is not None and trace.path:
-                with contextlib.suppress(Exception):
-                    path = trace.path.replace("{pid}", str(os.getpid())).replace(
-                        "{ctx}", f"{state.api}{state.device_id}-{id(state):x}"
-                    )
-                    write_chrome_trace(trace, path)
+            if state.trace_file is not None:
+                state.trace_file.write()
             if not _any_polled_open():
                 _engine.watcher.stop()
 
@@ -467,31 +466,38 @@ class DeviceContext(native.ContextCore):
         """``enqueue_create_buffer``: a device buffer of ``size`` elements,
         allocated in stream order on the current stream from the device's memory
         pool (``cuMemAllocFromPoolAsync``). It is owned by the current stream and
-        freed on it. (The general path, which the compiled
-        ``ContextCore.enqueue_create_buffer`` falls back to where the current
-        stream kept no memory of that size.)"""
+        freed on it. An allocation that overlaps ``close()`` on another thread
+        either ends before the close goes on (and its buffer is one of the
+        closed context) or raises ``ContextClosedError``. (The general path,
+        which the compiled ``ContextCore.enqueue_create_buffer`` falls back to
+        where the current stream kept no memory of that size.)"""
         self._check_open()
         dt = as_dtype(dtype)
         size = check_size(size)
-        alloc = self._state.backend.alloc_device(alloc_bytes(dt, size), self._impl)
+        alloc = self._impl.alloc_device(alloc_bytes(dt, size))
         return DeviceBuffer(self, alloc, dt, size, self._impl)
 
     if TYPE_CHECKING:  # ContextCore's, which takes the same arguments (the class docstring)
         enqueue_create_buffer = _enqueue_create_buffer
 
     def create_buffer_sync(self, dtype: Any, size: int) -> DeviceBuffer:
-        """Like ``enqueue_create_buffer``, then blocks until the allocation is done."""
+        """Like ``enqueue_create_buffer``, then blocks until the allocation is done
+        (``cuStreamSynchronize``); ``ContextClosedError`` if the context was
+        closed meanwhile."""
         buf = self.enqueue_create_buffer(dtype, size)
-        self._impl.synchronize()
+        self.synchronize()
         return buf
 
     def enqueue_create_host_buffer(self, dtype: Any, size: int) -> HostBuffer:
         """A page-locked host buffer of ``size`` elements the device can reach (from
-        the pinned pool on CUDA; plain host memory on the CPU device)."""
+        the pinned pool on CUDA, ``cuMemHostAlloc`` when the pool has no block of
+        that size, which blocks; plain host memory on the CPU device).
+        ``ContextClosedError`` if a ``close()`` on another thread has begun
+        by the time the memory is there (it is given back)."""
         self._check_open()
         dt = as_dtype(dtype)
         size = check_size(size)
-        alloc = self._state.backend.alloc_host(alloc_bytes(dt, size), self._impl)
+        alloc = self._impl.alloc_host(alloc_bytes(dt, size))
         return HostBuffer(self, alloc, dt, size, self._impl)
 
     # -- copies ------------------------------------------------------------------------------
@@ -558,7 +564,8 @@ class DeviceContext(native.ContextCore):
         self._check_open()
         if not isinstance(dst, _BufferBase):
             raise TypeError(f"enqueue_memset needs a DeviceBuffer or HostBuffer, not {dst!r}")
-        dst._check()
+        if dst._ctx._state is not self._state or dst._alloc is None:
+            check_kernel_buffer(self._state, dst, "enqueue_memset")
         _check_writable(dst)
         value = _scalar_for(dst._dtype, val)
         if dst._dtype.itemsize not in (1, 2, 4, 8):

@@ -25,7 +25,7 @@ from .memory import (
     check_size,
 )
 
-__all__ = ["check_writable", "copy_operands"]
+__all__ = ["check_kernel_buffer", "check_writable", "copy_operands"]
 
 _BUFFER_TYPES = (DeviceBuffer, HostBuffer)
 
@@ -37,6 +37,39 @@ def check_writable(buf: _BufferBase) -> None:
             f"this {type(buf).__name__} wraps read-only memory (exported read-only by its "
             "owner); it cannot be written"
         )
+
+
+def check_kernel_buffer(state: Any, buf: _BufferBase, what: str) -> None:
+    """A buffer that a kernel or memset of ``state``'s context uses in place
+    (``what`` names the use in the error): usable (``ContextClosedError`` for a
+    buffer of a closed context, ``ValueError`` for memory taken with
+    ``take_ptr()``), and of ``state``'s context or of one whose memory its
+    device addresses (``backend.reaches``: another context of the same device,
+    whose memory it is; another device of the same API once peer access is
+    enabled, as MAX asks too). Any other is a ``ValueError`` naming both
+    contexts: the device would read memory it cannot address (a CPU context's
+    pageable memory in a CUDA kernel, a CUDA buffer in a CPU kernel's NumPy
+    body), where a copy, which does move data between devices, is what works.
+    Callers test the common case first (the buffer is of ``state``'s open
+    context and owns its memory) and call this only otherwise."""
+    buf._check()
+    bstate = buf._ctx._state
+    if bstate is state:
+        return
+    if bstate.api == state.api:
+        if state.backend.reaches(bstate.backend):
+            return
+        hint = (
+            f"enable peer access first (a {state.describe()} context's "
+            "enable_peer_access(peer)), or copy it with enqueue_copy"
+        )
+    else:
+        hint = "copy its data into a buffer of this context with enqueue_copy"
+    raise ValueError(
+        f"{what}: a {type(buf).__name__} of the {bstate.describe()} context cannot be "
+        f"used by the {state.describe()} context, whose device does not address its "
+        f"memory; {hint}"
+    )
 
 
 def copy_operands(

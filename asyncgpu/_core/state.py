@@ -23,6 +23,7 @@ from .function import DeviceFunction
 from .protocols import Backend
 from .stream import _StreamImpl
 from .trace import Trace
+from .trace_json import TraceFile
 
 __all__ = ["_ContextState", "_Ref"]
 
@@ -45,6 +46,7 @@ class _ContextState(native.StateCore):
         self.refs = 1
         self.lock = threading.RLock()
         self.trace: Trace | None = None
+        self.trace_file: TraceFile | None = None  # ASYNCGPU_TRACE's (see DeviceContext)
         self.num_streams = num_streams
         self.streams: dict[int, _StreamImpl] = {}  # (made at once or on first use)
         self.extra_streams: list[_StreamImpl] = []

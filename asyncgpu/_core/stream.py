@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._accel import native
 from .._errors import ContextClosedError, DeviceError, DeviceFaultError
@@ -168,13 +168,52 @@ class _StreamImpl:
             ev._wait_blocking()
             ev._raise_fault()
 
+    @property
+    def _submission_lock(self) -> Any:
+        """The lock every submission of this stream holds (a backend's; ``_closing``
+        is set and read under it)."""
+        raise NotImplementedError
+
     def begin_close(self) -> None:
         """Refuse every submission from now on (``ContextClosedError``): the first
-        step of the context's close, before it waits for the stream's work.
-        A backend sets the flag under the lock its submissions hold."""
-        self._closing = True
+        step of the context's close, before it waits for the stream's work. The
+        flag is set under the lock the submissions hold, so one in progress ends
+        first (and is waited for)."""
+        with self._submission_lock:
+            self._closing = True
 
-    def _refuse_closed(self) -> None:
+    def alloc_device(self, nbytes: int) -> Any:
+        """Device memory owned by this stream, from the backend
+        (``backend.alloc_device``: ``cuMemAllocFromPoolAsync`` on this stream, or
+        memory the stream kept; never blocks for the device), allocated as a
+        submission: under the submission lock, refused with
+        ``ContextClosedError`` once ``close()`` has begun. So an allocation
+        racing with ``close()`` either ends before the close goes on (which then
+        waits for it and, later, destroys the stream it was made on) or is
+        refused; it never reaches a stream being destroyed. (The compiled
+        ``enqueue_create_buffer`` hands out memory the stream kept without this
+        lock, reading ``_closing`` under the GIL in the same step as the take.)"""
+        with self._submission_lock:
+            if self._closing:
+                self._refuse_closed()
+            return self.state.backend.alloc_device(nbytes, self)
+
+    def alloc_host(self, nbytes: int) -> Any:
+        """Host memory the device can reach, for a host buffer this stream owns
+        (``backend.alloc_host``: the pinned pool on CUDA, ``cuMemHostAlloc``
+        where it has no block of the size, which can block for long). Taken
+        outside the submission lock, since no stream is used (a submission or
+        an await there would wait for it), and kept only under the lock: once
+        ``close()`` has begun it is given back and ``ContextClosedError``
+        raised, so a host buffer is never made after the close went on."""
+        alloc = self.state.backend.alloc_host(nbytes, self)
+        with self._submission_lock:
+            if not self._closing:
+                return alloc
+        alloc.release(self)
+        self._refuse_closed()
+
+    def _refuse_closed(self) -> NoReturn:
         """Raise the closed context's error (a submission that found ``_closing``;
         the compiled submissions call it too)."""
         raise ContextClosedError(f"the DeviceContext {self.state.describe()} is closed")
@@ -325,11 +364,11 @@ class _PolledStream(native.StreamCore, _StreamImpl):
         # draining many held operations quadratic).
         self._issue_waiters: list[tuple[int, int, Callable[[], None]]] = []
 
-    def begin_close(self) -> None:
+    @property
+    def _submission_lock(self) -> Any:
         # (the compiled ``before_submit``, which every submission calls under
-        # ``_submit_lock``, refuses once this is set)
-        with self._submit_lock:
-            self._closing = True
+        # ``_submit_lock``, refuses once ``_closing`` is set)
+        return self._submit_lock
 
     def _completed(self) -> int:
         """The highest sequence number known to have finished (never blocks)."""

@@ -94,8 +94,10 @@ class Trace:
     # Per lane the last node recorded on it. The edges are not kept apart: they
     # are the nodes' ``deps`` (see ``_edge_tuples``).
     _last: dict[str, int] = field(default_factory=dict, repr=False)
-    # CUDA: node id -> (stream, timing event) not read back yet, and per device
-    # backend (by id) the origin of its clock: (backend, event, host ns).
+    # CUDA: node id -> (device backend, timing event) not read back yet, and per
+    # device backend (by id) the origin of its clock: (backend, event, host ns).
+    # Backends, not streams: a trace refers to no stream, so it keeps no context
+    # alive (a dropped context's trace is written once the context is freed).
     _stamps: dict[int, tuple[Any, Any]] = field(default_factory=dict, repr=False)
     _origins: dict[int, tuple[Any, Any, int]] = field(default_factory=dict, repr=False)
     t0_ns: int = field(default_factory=time.perf_counter_ns)
@@ -165,7 +167,7 @@ class Trace:
             nodes[nid] = node
             last[lane] = nid
             if stamp is not None:
-                self._stamps[nid] = (stream, stamp)
+                self._stamps[nid] = (backend, stamp)
         # No waiter and no done callback: the trace asks for no marker and no
         # watch of its own (that would make every traced launch cost several
         # times as much). The event's finish calls ``_on_done`` (through
@@ -262,7 +264,7 @@ class Trace:
                 return
         except AttributeError:
             return
-        events = [(s.backend, e) for s, e in self._stamps.values()]
+        events = list(self._stamps.values())
         events += [(b, e) for b, e, _ in self._origins.values()]
         for backend, event in events:
             with contextlib.suppress(Exception):  # (a finalizer raises nothing)
@@ -274,8 +276,8 @@ class Trace:
         """Under ``_lock``: read back the timing events the device has passed, in
         node order (``_stamps`` is filled in that order), so that a node's
         dependencies have their device ends first."""
-        for nid, (stream, stamp) in list(self._stamps.items()):
-            backend, origin, origin_ns = self._origins[id(stream.backend)]
+        for nid, (backend, stamp) in list(self._stamps.items()):
+            _, origin, origin_ns = self._origins[id(backend)]
             ns = backend.stamp_ns(origin, stamp)
             if ns is None:
                 continue

@@ -12,14 +12,22 @@ the Trace Event Format, which ``ui.perfetto.dev`` and ``chrome://tracing`` open)
   an ``id``) for every cross-stream ``wait`` edge, so the viewers draw an arrow.
 
 ``DeviceContext.trace(path)`` writes it on exit; the timeline picture
-(``asyncgpu._tools.timeline``) reads it back.
+(``asyncgpu._tools.timeline``) reads it back. A context's ``ASYNCGPU_TRACE``
+trace is written by its ``close()`` or, for a context dropped without one,
+once the garbage collector frees it (``TraceFile``).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import logging
 import os
+import queue
 import re
+import threading
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -28,7 +36,13 @@ from .._version import __version__
 if TYPE_CHECKING:
     from .trace import Trace
 
-__all__ = ["chrome_trace_dict", "load_chrome_trace", "write_chrome_trace"]
+__all__ = [
+    "chrome_trace_dict",
+    "load_chrome_trace",
+    "write_chrome_trace",
+    "TraceFile",
+    "write_trace_file",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -253,3 +267,86 @@ def load_chrome_trace(path: PathLike) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise ValueError(f"{p} is not a Chrome trace (no 'traceEvents' list)")
     return data
+
+
+# -- the ASYNCGPU_TRACE file of a context ------------------------------------------------
+
+
+def write_trace_file(trace: Trace, path: str) -> None:
+    """Write ``trace`` to ``path`` (``{pid}`` in it: the writing process's id), as a
+    context's ``ASYNCGPU_TRACE`` file. A file that cannot be written is logged
+    on the ``asyncgpu`` logger, never raised: it must not fail the close (or
+    the collection) that writes it."""
+    try:
+        write_chrome_trace(trace, path.replace("{pid}", str(os.getpid())))
+    except Exception as e:
+        logging.getLogger("asyncgpu").warning("could not write the trace to %s: %s", path, e)
+
+
+# Traces of contexts the garbage collector freed, for the writer thread. A
+# SimpleQueue's put may be called from a finalizer (it is reentrant: the
+# collector may run it on a thread that is inside the queue already, where a
+# lock-based queue would deadlock), and the finalizer does nothing else: the
+# file is built and written on the writer thread, never by the collector, which
+# may run on any thread at any allocation (inside a lock the writing would need).
+_dropped: queue.SimpleQueue[tuple[Trace, str] | None] = queue.SimpleQueue()
+_writer: threading.Thread | None = None
+_writer_lock = threading.Lock()
+
+
+class TraceFile:
+    """A context's ``ASYNCGPU_TRACE`` file: ``trace`` written to ``path`` by
+    ``write()`` (the context's ``close()``) or, if ``owner`` (the context's
+    state) is freed without one, by the writer thread once the collector has
+    freed it. Made when the context is made, which starts the writer thread if
+    needed (never from the collector). Not at interpreter exit: a context
+    alive then was neither closed nor dropped. (``trace`` must not refer to
+    ``owner``, or it would never be freed: a trace refers to no stream or
+    context.)"""
+
+    __slots__ = ("_dropped", "path", "trace")
+
+    def __init__(self, owner: Any, trace: Trace, path: str) -> None:
+        global _writer
+        self.trace, self.path = trace, path
+        with _writer_lock:
+            if _writer is None or not _writer.is_alive():
+                _writer = threading.Thread(
+                    target=_write_dropped, name="asyncgpu-trace", daemon=True
+                )
+                _writer.start()
+        self._dropped = weakref.finalize(owner, _dropped.put, (trace, path))
+        self._dropped.atexit = False
+
+    def write(self) -> None:
+        """Write the file now, on this thread (once: a second call, or one after
+        the owner was freed, writes nothing)."""
+        if self._dropped.detach() is not None:
+            write_trace_file(self.trace, self.path)
+
+
+def _write_dropped() -> None:
+    """The writer thread: each dropped context's trace, in the order they were
+    freed, until the exit's ``None``."""
+    while (item := _dropped.get()) is not None:
+        write_trace_file(*item)
+
+
+@atexit.register
+def _finish_writing() -> None:
+    """At exit, the traces queued so far are written before the process ends
+    (the writer is a daemon thread, which the exit would stop mid-file)."""
+    writer = _writer
+    if writer is not None and writer.is_alive():
+        _dropped.put(None)
+        writer.join(timeout=30)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's writer thread does not exist in a forked child: it starts its own.
+    global _writer, _writer_lock
+    _writer, _writer_lock = None, threading.Lock()
+
+
+with contextlib.suppress(AttributeError):  # (no fork on this platform)
+    os.register_at_fork(after_in_child=_after_fork_in_child)

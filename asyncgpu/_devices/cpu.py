@@ -34,6 +34,7 @@ from .._core.function import (
 )
 from .._core.graph import COPY, CPU, KERNEL, MEMSET, GraphDefinition, GraphParams
 from .._core.memory import _BufferBase
+from .._core.ops import check_kernel_buffer
 from .._core.pool import cpu_pool, fan_out, host_work, pool_size, range_work, start_chained
 from .._core.stream import _StreamImpl
 from .._errors import CompileError, DeviceError, UnsupportedError
@@ -227,7 +228,7 @@ class CpuStream(_StreamImpl):
     ) -> DeviceEvent:
         if constant_memory:
             raise UnsupportedError("the CPU device has no __constant__ memory")
-        count, work = _kernel_work(fn, args, cfg)
+        count, work = _kernel_work(fn, args, cfg, self.state)
         return self._enqueue(self._fanout(count, work), (fn, args))
 
     def wait_event(self, ev: DeviceEvent) -> DeviceEvent:
@@ -236,9 +237,9 @@ class CpuStream(_StreamImpl):
     def tail(self) -> DeviceEvent | None:
         return self._tail
 
-    def begin_close(self) -> None:
-        with self._lock:
-            self._closing = True
+    @property
+    def _submission_lock(self) -> Any:
+        return self._lock
 
     def record(self, ev: _UserEvent) -> None:
         with self._lock:
@@ -365,7 +366,7 @@ def _node_work(kind: str, op: Any) -> tuple[int, Any]:
     (a join), a fan-out over the pool (a kernel's blocks) or one call on the
     pool."""
     if kind == KERNEL:
-        return _NODE_FAN, _kernel_work(op.fn, op.args, op.cfg)
+        return _NODE_FAN, _kernel_work(op.fn, op.args, op.cfg, op.fn._ctx._state)
     if kind == COPY:
         d, s, n = op.dst._hostbytes, op.src._hostbytes, op.nbytes
         return _NODE_CALL, partial(np.copyto, d[:n], s[:n])
@@ -377,17 +378,17 @@ def _node_work(kind: str, op: Any) -> tuple[int, Any]:
 
 
 def _kernel_work(
-    fn: LaunchedFunction, args: tuple[Any, ...], cfg: Any
+    fn: LaunchedFunction, args: tuple[Any, ...], cfg: Any, state: Any
 ) -> tuple[int, Callable[[int, int], None]]:
-    """A CPU kernel launch, checked (what CUDA would refuse is refused here too)
-    and ready to run: its block count and ``work(lo, hi)``, which runs blocks
-    ``lo..hi-1`` of the NumPy body."""
+    """A CPU kernel launch of ``state``'s context, checked (what CUDA would
+    refuse is refused here too) and ready to run: its block count and
+    ``work(lo, hi)``, which runs blocks ``lo..hi-1`` of the NumPy body."""
     grid, block, shmem = cfg
     for n, a in enumerate(args):
         kernel_arg_kind(n, a)
     body = fn._impl
     _check_arity(body, fn.name, len(args))
-    host_args = tuple(_kernel_arg(a) for a in args)
+    host_args = tuple(_kernel_arg(state, n, a) for n, a in enumerate(args))
     tidx = ThreadBlock.thread_indices(block)
     gx, gy = grid.x, grid.y
 
@@ -475,12 +476,15 @@ def _check_arity(body: Any, name: str, nargs: int) -> None:
         raise TypeError(err)
 
 
-def _kernel_arg(a: Any) -> Any:
-    """A kernel argument as the CPU kernel body sees it: a buffer (after the
-    checks every use of a buffer makes: its context open, its memory not taken)
-    becomes a NumPy view of its memory."""
-    if isinstance(a, _BufferBase):
-        a._check()
+def _kernel_arg(state: Any, n: int, a: Any) -> Any:
+    """Kernel argument ``n`` of a launch of ``state``'s context as the CPU kernel
+    body sees it: a buffer (after the checks every use of a buffer makes: its
+    context open, its memory not taken, and one of another context only where
+    ``check_kernel_buffer`` allows it) becomes a NumPy view of its memory."""
+    if isinstance(a, _BufferBase) and (
+        a._ctx._state is not state or a._alloc is None or state.closed
+    ):
+        check_kernel_buffer(state, a, f"kernel argument {n}")
     hostbytes = getattr(a, "_hostbytes", None)
     if hostbytes is not None:
         return hostbytes.view(a._dtype)
@@ -591,6 +595,9 @@ class CpuBackend:
         # Every CPU context is the one host device, and a device is not its own peer
         # (as in MAX, and as cuDeviceCanAccessPeer(d, d) answers).
         return False
+
+    def reaches(self, other: Any) -> bool:
+        return True  # (every CPU context is the one host: its memory is all one)
 
     def enable_peer_access(self, other: Any) -> None:
         if getattr(other, "api", None) != "cpu":

@@ -488,7 +488,11 @@ def test_a_closing_stream_refuses_every_kind_of_submission(ctx: Any, gate: Any) 
     buf = ctx.enqueue_create_buffer(np.int32, 4)
     host = ctx.enqueue_create_host_buffer(np.int32, 4)
     ctx.enqueue_function(ADD_ONE, buf, np.int32(4), grid_dim=1, block_dim=4)  # (seen: compiled)
+    dropped = ctx.enqueue_create_buffer(np.int8, 48)
     ctx.synchronize()
+    del dropped  # (on CUDA the stream keeps its memory for its next 48 bytes: the C path)
+    spare = getattr(ctx._impl, "spare", None)
+    assert spare is None or spare.kept()
     other = ctx.select_stream(1)
     held = other.enqueue_cpu_function(gate())  # (opened at teardown, before the close)
     for s in ctx._state.all_streams():
@@ -503,11 +507,159 @@ def test_a_closing_stream_refuses_every_kind_of_submission(ctx: Any, gate: Any) 
         "wait for a stream": lambda: ctx.enqueue_wait_for(other),
         "wait for an event": lambda: ctx.enqueue_wait_for(held),
         "record": lambda: ctx.stream().record_event(ctx.create_event()),
+        "device buffer on kept memory": lambda: ctx.enqueue_create_buffer(np.int8, 48),
+        "device buffer on new memory": lambda: ctx.enqueue_create_buffer(np.int8, 80),
+        "device buffer, synchronized": lambda: ctx.create_buffer_sync(np.int8, 80),
+        "host buffer": lambda: ctx.enqueue_create_host_buffer(np.int8, 80),
     }
     for what, submit in submissions.items():
         with pytest.raises(ContextClosedError, match="is closed"):
             submit()
             pytest.fail(f"{what} was accepted by a closing stream")
+    assert spare is None or spare.kept()  # (nothing taken)
+
+
+def _held_up_allocator(
+    ctx: Any, monkeypatch: pytest.MonkeyPatch, name: str
+) -> tuple[Any, Any, list[str], list[Any]]:
+    """The backend's ``name`` (``alloc_device`` or ``alloc_host``) made to wait
+    for ``go`` once it is called (``allocating`` set); ``order`` gets
+    "allocated" when it returns, ``released`` each stream its memory is given
+    back on."""
+    import threading
+
+    backend = ctx._state.backend
+    real = getattr(backend, name)
+    allocating, go = threading.Event(), threading.Event()
+    order: list[str] = []
+    released: list[Any] = []
+
+    class Probe:
+        def __init__(self, alloc: Any) -> None:
+            self.alloc, self.ptr, self.host = alloc, alloc.ptr, alloc.host
+
+        def release(self, stream: Any) -> None:
+            released.append(stream)
+            self.alloc.release(stream)
+
+    def held_up(nbytes: int, stream: Any) -> Any:
+        allocating.set()
+        assert go.wait(30)
+        out = real(nbytes, stream)
+        order.append("allocated")
+        return out if name == "alloc_device" else Probe(out)
+
+    monkeypatch.setattr(backend, name, held_up)
+    return allocating, go, order, released
+
+
+def test_a_device_allocation_overlapping_close_ends_before_the_close_goes_on(
+    ctx: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device allocation is in progress (held up inside the backend's
+    allocator, under the stream's submission lock) when another thread closes
+    the context: the close waits for it (it sets its refusal flag under that
+    lock), so the allocation ends with a buffer, and only then does the close
+    go on to wait for the work and release the streams (on CUDA the memory is
+    allocated on a stream the close destroys)."""
+    import threading
+
+    import numpy as np
+
+    allocating, go, order, _ = _held_up_allocator(ctx, monkeypatch, "alloc_device")
+    made: list[Any] = []
+    allocator = threading.Thread(
+        target=lambda: made.append(ctx.enqueue_create_buffer(np.int32, 1000))
+    )
+    allocator.start()
+    assert allocating.wait(30)
+
+    def close() -> None:
+        ctx.close()
+        order.append("closed")
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(0.5)  # (a close that did not wait for the allocation would be done by now)
+    go.set()
+    allocator.join(30)
+    closer.join(30)
+    assert order == ["allocated", "closed"]
+    assert len(made) == 1 and len(made[0]) == 1000 and made[0]._ctx._state.closed
+
+
+def test_a_host_allocation_overlapping_close_is_refused_and_given_back(
+    ctx: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host buffer's memory is taken outside the submission lock (no stream is
+    used, and pinning can block for long), so a close does not wait for it:
+    the allocation that ends after the close has begun keeps nothing, gives
+    its memory back and raises ``ContextClosedError``."""
+    import threading
+
+    import numpy as np
+
+    from asyncgpu import ContextClosedError
+
+    allocating, go, order, released = _held_up_allocator(ctx, monkeypatch, "alloc_host")
+    outcome: list[Any] = []
+
+    def allocate() -> None:
+        try:
+            outcome.append(ctx.enqueue_create_host_buffer(np.int32, 1000))
+        except ContextClosedError as e:
+            outcome.append(e)
+
+    allocator = threading.Thread(target=allocate)
+    allocator.start()
+    assert allocating.wait(30)
+    impl = ctx._impl
+    ctx.close()  # (returns with the allocation still held up)
+    go.set()
+    allocator.join(30)
+    assert order == ["allocated"] and released == [impl]
+    assert len(outcome) == 1 and isinstance(outcome[0], ContextClosedError)
+
+
+def test_allocations_racing_close_return_a_buffer_or_are_refused(api: str) -> None:
+    """Two threads allocate device and host buffers as fast as they can while
+    the main thread closes the context, many times over: each allocation
+    returns a buffer or raises ``ContextClosedError``, never another error (on
+    CUDA, an allocation on a stream being destroyed was a ``DeviceError``)."""
+    proc = run_child(f"""
+        import threading
+        import numpy as np
+        import asyncgpu
+        from asyncgpu import ContextClosedError
+
+        for _ in range(40):
+            ctx = asyncgpu.DeviceContext(api={api!r}, num_streams=2)
+            errors = []
+            start = threading.Barrier(3)
+
+            def allocate(i):
+                view = ctx.select_stream(i)
+                start.wait()
+                try:
+                    while True:
+                        view.enqueue_create_buffer(np.float32, 256)
+                        view.enqueue_create_host_buffer(np.float32, 256)
+                except ContextClosedError:
+                    pass
+                except BaseException as e:
+                    errors.append(repr(e))
+
+            threads = [threading.Thread(target=allocate, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            start.wait()
+            ctx.close()
+            for t in threads:
+                t.join(30)
+            assert errors == [], errors
+        print("OK")
+    """)
+    assert_ok(proc)
 
 
 # -- leaks -------------------------------------------------------------------------------

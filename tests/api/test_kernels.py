@@ -272,6 +272,117 @@ def test_a_buffer_that_cannot_be_used_is_refused_at_the_launch(
     np.testing.assert_array_equal(read(ctx, ok), np.ones(4, np.int32))
 
 
+def test_a_buffer_of_another_context_of_the_device_is_used_in_place(
+    ctx: DeviceContext, api: str
+) -> None:
+    """Two contexts of one device share its memory (on CUDA, the device's
+    primary context): a kernel and a memset of one take the other's buffers,
+    on both launch paths (a Kernel, and a DeviceFunction with a geometry seen
+    before, whose compiled launch hands such a buffer to the general path), as
+    copies do. Once the other context is closed, its buffer is
+    ``ContextClosedError`` in both."""
+    f = ctx.compile_function(ADD_ONE)
+    mine = ctx.enqueue_create_buffer(np.int32, 4)
+    ctx.enqueue_memset(mine, 0)
+    ctx.enqueue_function(f, mine, np.int32(4), grid_dim=1, block_dim=4)  # caches the geometry
+    with DeviceContext(api=api) as other:
+        theirs = other.enqueue_create_buffer(np.int32, 4)
+        other.synchronize()  # (the allocation is another stream's work)
+        ctx.enqueue_memset(theirs, 5)
+        ctx.enqueue_function(f, theirs, np.int32(4), grid_dim=1, block_dim=4)
+        ctx.enqueue_function(ADD_ONE, theirs, np.int32(4), grid_dim=1, block_dim=4)
+        ctx.synchronize()
+        np.testing.assert_array_equal(read(other, theirs), np.full(4, 7, np.int32))
+    for use in (
+        lambda: ctx.enqueue_memset(theirs, 0),
+        lambda: ctx.enqueue_function(f, theirs, np.int32(4), grid_dim=1, block_dim=4),
+        lambda: ctx.enqueue_function(ADD_ONE, theirs, np.int32(4), grid_dim=1, block_dim=4),
+    ):
+        with pytest.raises(ContextClosedError, match="closed context"):
+            use()
+    np.testing.assert_array_equal(read(ctx, mine), np.ones(4, np.int32))
+
+
+def test_a_buffer_of_another_device_is_refused_by_kernels_and_memsets() -> None:
+    """Without a GPU: a second CPU context whose ``api`` is renamed stands in
+    for another device (the rule is the core's, by API and by what the
+    backend's ``reaches`` says, never by a device's name). Its buffers in a
+    kernel (both launch paths) or a memset of the first context are a
+    ``ValueError`` at the call naming both contexts, and nothing runs; a
+    context of the same API whose memory the device does not address (another
+    GPU without peer access) likewise, with the way out in the message."""
+    with DeviceContext(api="cpu") as cpu, DeviceContext(api="cpu") as other:
+        f = cpu.compile_function(ADD_ONE)
+        mine = cpu.enqueue_create_buffer(np.int32, 4)
+        cpu.enqueue_memset(mine, 0)
+        cpu.enqueue_function(f, mine, np.int32(4), grid_dim=1, block_dim=4)  # (seen)
+        theirs = other.enqueue_create_buffer(np.int32, 4)
+        other.enqueue_memset(theirs, 3)
+        uses = {
+            "memset": lambda: cpu.enqueue_memset(theirs, 0),
+            "compiled launch": lambda: cpu.enqueue_function(
+                f, theirs, np.int32(4), grid_dim=1, block_dim=4
+            ),
+            "general launch": lambda: cpu.enqueue_function(
+                ADD_ONE, theirs, np.int32(4), grid_dim=1, block_dim=4
+            ),
+        }
+        other._state.api = "other"
+        try:
+            for what, use in uses.items():
+                name = "enqueue_memset" if what == "memset" else "kernel argument 0"
+                with pytest.raises(
+                    ValueError,
+                    match=rf"{name}: a DeviceBuffer of the other:0 context cannot be used by "
+                    r"the cpu:0 context.*enqueue_copy",
+                ):
+                    use()
+        finally:
+            other._state.api = "cpu"
+        backend = cpu._state.backend
+        backend.reaches = lambda peer: False  # (an instance attribute: this context only)
+        try:
+            for use in uses.values():
+                with pytest.raises(ValueError, match="enable peer access first"):
+                    use()
+        finally:
+            del backend.reaches
+        np.testing.assert_array_equal(read(other, theirs), np.full(4, 3, np.int32))
+        np.testing.assert_array_equal(read(cpu, mine), np.ones(4, np.int32))
+
+
+def test_a_cpu_context_buffer_in_a_cuda_kernel_or_memset_is_refused(
+    ctx: DeviceContext, api: str
+) -> None:
+    """The real mix of devices: a CPU context's buffers (pageable host memory)
+    in a CUDA context's kernel or memset, and a CUDA context's buffers (device
+    or pinned host) in a CPU context's, are ``ValueError`` naming both; the
+    same buffers do take part in copies across (see test_copies)."""
+    if api == "cpu":
+        pytest.skip("needs a CUDA context beside the CPU one")
+    f = ctx.compile_function(ADD_ONE)
+    mine = ctx.enqueue_create_buffer(np.int32, 4)
+    ctx.enqueue_memset(mine, 0)
+    ctx.enqueue_function(f, mine, np.int32(4), grid_dim=1, block_dim=4)  # (seen)
+    with DeviceContext(api="cpu") as cpu:
+        g = cpu.compile_function(ADD_ONE)
+        for theirs in (
+            cpu.enqueue_create_buffer(np.int32, 4),
+            cpu.enqueue_create_host_buffer(np.int32, 4),
+        ):
+            with pytest.raises(ValueError, match="of the cpu:0 context cannot be used by"):
+                ctx.enqueue_memset(theirs, 0)
+            for k in (f, ADD_ONE):  # (the compiled launch and the general one)
+                with pytest.raises(ValueError, match="of the cpu:0 context cannot be used by"):
+                    ctx.enqueue_function(k, theirs, np.int32(4), grid_dim=1, block_dim=4)
+        for theirs in (mine, ctx.enqueue_create_host_buffer(np.int32, 4)):
+            with pytest.raises(ValueError, match="cannot be used by the cpu:0 context"):
+                cpu.enqueue_memset(theirs, 0)
+            with pytest.raises(ValueError, match="cannot be used by the cpu:0 context"):
+                cpu.enqueue_function(g, theirs, np.int32(4), grid_dim=1, block_dim=4)
+    np.testing.assert_array_equal(read(ctx, mine), np.ones(4, np.int32))
+
+
 @pytest.mark.parametrize("api", ["cpu"])  # (CUDA reads the count from the PTX)
 @pytest.mark.parametrize("args", [1, 3], ids=["too few", "too many"])
 def test_a_cpu_kernel_with_the_wrong_number_of_arguments_fails_at_the_launch(

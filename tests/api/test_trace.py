@@ -155,6 +155,115 @@ def test_trace_with_a_path_writes_chrome_json(ctx: DeviceContext, tmp_path: Path
     assert any(e.get("ph") == "X" for e in events)
 
 
+# -- ASYNCGPU_TRACE: every new context records a trace and writes it ----------------------
+
+
+def _traced_work(ctx: DeviceContext) -> None:
+    """Three operations on two streams, finished."""
+    buf = ctx.enqueue_create_buffer(np.int32, 64)
+    ctx.enqueue_memset(buf, 1)
+    ctx.enqueue_cpu_function(int)
+    ctx.select_stream(1).enqueue_wait_for(ctx)
+    ctx.synchronize()
+    ctx.select_stream(1).synchronize()
+
+
+def _spans(path: Path) -> list[dict]:
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+
+
+def test_asyncgpu_trace_is_written_by_close(
+    api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close()`` writes the file before it returns, on its own thread, with
+    ``{pid}`` in the path the process's id; the context dropped afterwards
+    writes nothing more."""
+    import os
+
+    monkeypatch.setenv("ASYNCGPU_TRACE", str(tmp_path / "{pid}.json"))
+    ctx = DeviceContext(api=api)
+    _traced_work(ctx)
+    trace_file = ctx._state.trace_file
+    ctx.close()
+    path = tmp_path / f"{os.getpid()}.json"
+    assert len(_spans(path)) == 3
+    assert not trace_file._dropped.alive  # (nothing is left to write when it is freed)
+
+
+def test_a_context_dropped_with_asyncgpu_trace_writes_its_trace_once_freed(
+    api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A context dropped without ``close()`` is freed by the garbage collector
+    once its work is done (the trace refers to none of its streams, so it keeps
+    nothing alive); its trace file is then written, by the ``asyncgpu-trace``
+    thread: the collector, which may run on any thread inside any lock, only
+    queues it."""
+    import threading
+
+    path = tmp_path / "dropped.json"
+    monkeypatch.setenv("ASYNCGPU_TRACE", str(path))
+    written = threading.Event()
+    writers: list[str] = []
+    real = _trace_export.write_trace_file
+
+    def recording(trace: Trace, where: str) -> None:
+        writers.append(threading.current_thread().name)
+        real(trace, where)
+        written.set()
+
+    monkeypatch.setattr(_trace_export, "write_trace_file", recording)
+    ctx = DeviceContext(api=api)
+    _traced_work(ctx)
+    state = weakref.ref(ctx._state)
+    del ctx
+    for _ in range(1000):  # (a pool thread may still hold its finished work item)
+        gc.collect()
+        if state() is None:
+            break
+        time.sleep(0.001)
+    assert state() is None
+    assert written.wait(30)
+    assert writers == ["asyncgpu-trace"]
+    assert len(_spans(path)) == 3
+
+
+def test_a_trace_dropped_just_before_exit_is_written_by_the_exit(api: str, tmp_path: Path) -> None:
+    """The writer thread is a daemon: the exit writes what it has not written
+    yet before the process ends."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "at-exit.json"
+    root = Path(__file__).resolve().parents[2]
+    code = textwrap.dedent(f"""
+        import gc
+        import time
+        import weakref
+        import numpy as np
+        from asyncgpu import DeviceContext
+        ctx = DeviceContext(api={api!r})
+        buf = ctx.enqueue_create_buffer(np.int32, 64)
+        ctx.enqueue_memset(buf, 1)
+        ctx.synchronize()
+        state = weakref.ref(ctx._state)
+        del ctx, buf
+        for _ in range(1000):  # (a pool thread may still hold its finished work item)
+            gc.collect()
+            if state() is None:
+                break
+            time.sleep(0.001)
+        assert state() is None
+    """)
+    env = dict(os.environ, PYTHONPATH=str(root), ASYNCGPU_TRACE=str(path))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(_spans(path)) == 1
+
+
 # -- device timestamps (CUDA), and what tracing asks of a stream ------------------------
 
 

@@ -100,10 +100,12 @@ class _Backend:
 
 
 class _Fn:
-    """A compiled function as the graph reads it: its name and loaded kernel."""
+    """A compiled function as the graph reads it: its name, loaded kernel and
+    context (whose buffers its arguments are)."""
 
-    def __init__(self, sizes: tuple[int, ...]) -> None:
+    def __init__(self, sizes: tuple[int, ...], ctx: Any = None) -> None:
         self.name = "k"
+        self._ctx = ctx
         self._impl = type(
             "Impl", (), {"name": "k", "param_sizes": sizes, "kernel": "kernel", "plans": {}}
         )()
@@ -123,7 +125,7 @@ def test_nodes_and_edges_become_cuda_core_calls(fake_core: type[_Definition]) ->
         x = cpu.enqueue_create_buffer(np.int64, 10)
         y = cpu.enqueue_create_buffer(np.int64, 10)
         g = GraphDefinition()
-        a = g.add(KERNEL, KernelOp(_Fn((8, 4)), (x, np.int32(10)), PLAIN), ())
+        a = g.add(KERNEL, KernelOp(_Fn((8, 4), cpu), (x, np.int32(10)), PLAIN), ())
         b = g.add(MEMSET, MemsetOp(y, np.int64(-2), 10), ())  # 8-byte elements
         c = g.add(COPY, CopyOp(x, y, 80), (a._index, b._index))
         g.add(COPY, CopyOp(x, y, 0), (c._index,))  # nothing to copy: a join
@@ -258,14 +260,14 @@ def test_an_update_sets_the_nodes_in_the_instantiated_graph(
     with DeviceContext(api="cpu") as cpu:
         x, y, z = (cpu.enqueue_create_buffer(np.int64, 10) for _ in range(3))
         g = GraphDefinition()
-        k = g.add(KERNEL, KernelOp(_Fn((8, 4)), (x, np.int32(10)), PLAIN), (), (x,))
+        k = g.add(KERNEL, KernelOp(_Fn((8, 4), cpu), (x, np.int32(10)), PLAIN), (), (x,))
         m = g.add(MEMSET, MemsetOp(y, np.int64(-2), 10), (k._index,), (y,))
         c = g.add(COPY, CopyOp(x, y, 80), (m._index,), (x, y))
         graph = _graph.CudaGraph(_Backend(), g, g.seal())
         (exe,) = graph._graphs
         names = [entry[0] for entry in fake_core.made[0].log]
 
-        graph.update(k._index, KernelOp(_Fn((8, 4)), (z, np.int32(3)), PLAIN), (z,))
+        graph.update(k._index, KernelOp(_Fn((8, 4), cpu), (z, np.int32(3)), PLAIN), (z,))
         assert exe.updates == [
             (names[0], {"config": "config", "kernel": "kernel", "args": (z._ptr, np.int32(3))})
         ]
@@ -319,9 +321,9 @@ def test_a_refused_update_leaves_the_graph_as_it_was(
     with DeviceContext(api="cpu") as cpu:
         x = cpu.enqueue_create_buffer(np.float32, 10)
         g = GraphDefinition()
-        k = g.add(KERNEL, KernelOp(_Fn((8, 4)), (x, np.int32(10)), PLAIN), (), (x,))
+        k = g.add(KERNEL, KernelOp(_Fn((8, 4), cpu), (x, np.int32(10)), PLAIN), (), (x,))
         graph = _graph.CudaGraph(_Backend(), g, g.seal())
         before = graph.params
         with pytest.raises(TypeError):  # a 8-byte scalar where the kernel takes 4
-            graph.update(k._index, KernelOp(_Fn((8, 4)), (x, np.int64(10)), PLAIN), (x,))
+            graph.update(k._index, KernelOp(_Fn((8, 4), cpu), (x, np.int64(10)), PLAIN), (x,))
         assert graph.params is before and graph._graphs[0].updates == []

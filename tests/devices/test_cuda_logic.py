@@ -124,11 +124,11 @@ def test_kernel_arguments_are_checked_once_per_type_tuple() -> None:
     args = (np.float32(2), _Cai(0x1000), _Cai(0x2000))
     plan = _launch._plan(impl, args)
     assert impl.last is plan and plan.foreign and plan.codes is None
-    assert list(_launch._kernel_args(plan, args)) == [np.float32(2), 0x1000, 0x2000]
+    assert list(_launch._kernel_args(plan, args, None)) == [np.float32(2), 0x1000, 0x2000]
     assert len(impl.plans) == 1
     again = (np.float32(3), _Cai(0x3000), _Cai(0x4000))  # same types: the cached plan
     assert _launch._plan(impl, again) is plan
-    assert list(_launch._kernel_args(plan, again)) == [np.float32(3), 0x3000, 0x4000]
+    assert list(_launch._kernel_args(plan, again, None)) == [np.float32(3), 0x3000, 0x4000]
     assert len(impl.plans) == 1
     scalars = (np.float32(1),)
     with pytest.raises(TypeError, match="takes 3 arguments, 1 given"):
@@ -148,7 +148,7 @@ def test_scalar_only_arguments_pass_through_unchanged() -> None:
     impl = _Impl(None)  # a kernel loaded from a cubin: no signature known
     args = (np.int32(1), np.int64(2))
     plan = _launch._plan(impl, args)
-    assert _launch._kernel_args(plan, args) is args and not plan.foreign
+    assert _launch._kernel_args(plan, args, None) is args and not plan.foreign
     assert plan.codes is None  # no signature: the compiled launch does not pack (cuda.core's)
 
 
@@ -413,6 +413,53 @@ def test_a_failed_allocation_frees_the_kept_buffers_and_tries_once_more() -> Non
         with pytest.raises(DeviceError, match="allocating 4096 bytes"):
             _backend.CudaBackend.alloc_device(b, 4096, stream)
         assert b.freed == 1
+
+
+def test_memory_running_short_frees_the_kept_buffers_of_streams_neither_closing_nor_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``CudaBackend._free_spare_buffers`` (before the retry of a failed
+    allocation, under the allocating stream's lock): each stream's kept buffers
+    are freed on it under its own lock; a closing stream's are left to its
+    close (which destroys the stream after freeing them), and a stream whose
+    lock another thread holds is passed over, never waited for (two streams
+    running short at once would wait for each other). The allocating stream's
+    own lock is re-entrant."""
+    import threading
+
+    from asyncgpu import _native
+
+    class _Stream:
+        def __init__(self, name: str) -> None:
+            self.cs = name
+            self._submission_lock = _native.RLock()
+            self._closing = False
+            self.spare = _memory._SpareBuffers(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
+            self.kept = _Alloc()
+            assert self.spare.keep(self.kept, 256)
+
+    mine, other, closing, busy = (_Stream(n) for n in ("mine", "other", "closing", "busy"))
+    closing._closing = True
+    monkeypatch.setattr(_backend, "_all_streams", lambda b: [mine, other, closing, busy])
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with busy._submission_lock:
+            held.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(30)
+    try:
+        with mine._submission_lock:  # (as the failed allocation holds it)
+            assert _backend.CudaBackend._free_spare_buffers(object())  # type: ignore[arg-type]
+    finally:
+        done.set()
+        holder.join(30)
+    assert mine.kept.freed_on == "mine" and other.kept.freed_on == "other"
+    assert closing.kept.freed_on is None and closing.spare.kept()
+    assert busy.kept.freed_on is None and busy.spare.kept()
 
 
 # -- which marker follows an operation ---------------------------------------------------

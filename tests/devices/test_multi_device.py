@@ -112,6 +112,38 @@ def test_peer_copy_and_cross_device_wait(rng) -> None:
 
 @pytest.mark.gpu
 @needs_two_gpus
+def test_a_peer_buffer_in_a_kernel_or_memset_needs_peer_access_enabled_first() -> None:
+    """Another GPU's buffer in a kernel or memset is a ``ValueError`` until this
+    device has enabled peer access to it (the kernel would fault the device);
+    then it is used in place. (Skips the refusal where an earlier test of the
+    process has enabled it already: peer access lasts for the process.)"""
+    from asyncgpu._devices.cuda.backend import _peer_enabled
+
+    d0, d1 = DeviceContext(0, api="cuda"), DeviceContext(1, api="cuda")
+    try:
+        x0 = d0.enqueue_create_buffer(np.int32, N)
+        d0.enqueue_memset(x0, 0).synchronize()
+        if (1, 0) not in _peer_enabled:
+            with pytest.raises(ValueError, match="enable peer access first"):
+                d1.enqueue_function(ADD_ONE, x0, np.int32(N), grid_dim=N // 256, block_dim=256)
+            with pytest.raises(ValueError, match="enable peer access first"):
+                d1.enqueue_memset(x0, 7)
+        if not d1.can_access(d0):
+            pytest.skip("these GPUs cannot reach each other's memory")
+        d1.enable_peer_access(d0)
+        d1.enqueue_memset(x0, 7)
+        d1.enqueue_function(ADD_ONE, x0, np.int32(N), grid_dim=N // 256, block_dim=256)
+        d0.enqueue_wait_for(d1)
+        out = np.full(N, -1, np.int32)
+        d0.enqueue_copy(out, x0).synchronize()
+        np.testing.assert_array_equal(out, np.full(N, 8, np.int32))
+    finally:
+        d0.close()
+        d1.close()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
 def test_kernel_on_one_device_reads_a_peer_buffer(rng) -> None:
     d0, d1 = DeviceContext(0, api="cuda"), DeviceContext(1, api="cuda")
     try:

@@ -82,6 +82,7 @@ class Setup:
         ctx._state = SimpleNamespace(closed=False, trace=None, backend=self.backend)
         ctx._ref = _Ref()
         ctx._impl = s
+        s.state = ctx._state
         self.kernel = _Kernel()
         self.fn = DeviceFunction(ctx, "k", self.kernel)
         self.cfg4 = SimpleNamespace(dims=(4, 1, 1, 256, 1, 1, 0))
@@ -235,6 +236,34 @@ def test_a_buffer_of_a_closed_context_is_not_taken_for_one_of_the_launching_cont
     setup.ctx.enqueue_function(setup.fn, theirs, grid_dim=4, block_dim=256)
     assert launched == 1 and len(setup.driver.launches) == 1  # nothing more launched
     assert len(handed_back) == 1  # the stream's general path, which raises the error
+
+
+@pytest.mark.parametrize("path", ["enqueue_function", "stream launch"])
+def test_a_buffer_of_another_open_context_goes_to_the_general_path(setup: Setup, path: str) -> None:
+    """A buffer of another context, open or not, is never packed: the general
+    path decides by the rule for other contexts' buffers (the compiled path's
+    only test is the identity of the buffer's state with the launch's), whether
+    the launch comes from ``enqueue_function`` or from the stream's ``launch``
+    (the general ``enqueue_function``'s way down, which packs buffers of the
+    stream's own context)."""
+    from test_native import Buf
+
+    mine, theirs = Buf(0x1000), Buf(0x2000)
+    mine._ctx = setup.ctx
+    setup.stream.s.state = setup.ctx._state
+    setup.plan((mine,), b"P")
+    handed_back: list[Any] = []
+    setup.stream.s._launch = lambda *a: handed_back.append(a)
+
+    def launch(buf: Any) -> None:
+        if path == "enqueue_function":
+            setup.ctx.enqueue_function(setup.fn, buf, grid_dim=4, block_dim=256)
+        else:
+            setup.stream.s.launch(setup.fn, (buf,), setup.cfg4, ())
+
+    launch(mine)
+    launch(theirs)
+    assert len(setup.driver.launches) == 1 and len(handed_back) == 1
 
 
 # -- enqueue_create_buffer and dropping a buffer ----------------------------------------
@@ -439,6 +468,30 @@ def test_a_closed_context_creates_nothing_from_kept_memory(setup: Setup) -> None
     setup.ctx._state.closed = True
     assert setup.ctx.enqueue_create_buffer(np.uint8, 512) == "general"
     assert setup.stream.s.spare.kept()
+
+
+def test_a_closing_stream_creates_nothing_from_kept_memory(setup: Setup) -> None:
+    """Once ``close()`` has begun on the stream (``_closing``, while the context's
+    own open check still passes), the C path neither takes kept memory nor
+    allocates: the Python method raises ``ContextClosedError``."""
+    _kept_alloc(setup, 512)
+    setup.stream.s._closing = True
+    assert setup.ctx.enqueue_create_buffer(np.uint8, 512) == "general"
+    assert setup.ctx.enqueue_create_buffer(np.uint8, 64) == "general"
+    assert setup.stream.s.spare.kept() and setup.backend.calls == []
+
+
+def test_a_new_allocation_in_c_is_the_streams_under_its_submit_lock(setup: Setup) -> None:
+    """The C path's allocation is the stream's ``alloc_device``: made while the
+    submit lock is held (the lock ``close()`` sets the closing flag under)."""
+    held: list[bool] = []
+    lock = setup.stream.s._submit_lock
+    setup.backend.allocation = lambda nbytes: (
+        held.append(lock._is_owned()),
+        _memory._DeviceAlloc(None, _CoreBuffer(0x9000_0000), None, nbytes),  # type: ignore[arg-type]
+    )[1]
+    b = setup.ctx.enqueue_create_buffer(np.uint8, 64)
+    assert type(b) is DeviceBuffer and held == [True]
 
 
 # -- the extension's RLock ------------------------------------------------------------

@@ -306,6 +306,15 @@ class CudaBackend:
             return False  # not its own peer: cuDeviceCanAccessPeer(d, d) answers 0 too
         return bool(_check(cu.cuDeviceCanAccessPeer(self.dev, other.dev), "cuDeviceCanAccessPeer"))
 
+    def reaches(self, other: Any) -> bool:
+        """Its own device's memory (every context of a device shares the primary
+        context), and a peer's once ``enable_peer_access`` has enabled it here
+        (peer access enabled by another library is not seen: enabling it again
+        is harmless)."""
+        return other.device_id == self.device_id or (
+            (self.device_id, other.device_id) in _peer_enabled
+        )
+
     def enable_peer_access(self, other: Any) -> None:
         if not isinstance(other, CudaBackend):
             raise UnsupportedError("peer access is between CUDA devices")
@@ -500,12 +509,23 @@ class CudaBackend:
 
     def _free_spare_buffers(self) -> bool:
         """Free the buffers every live stream of the device keeps; True if there
-        were any."""
+        were any. Each stream's are freed on it under its submission lock, and
+        not once it is closing (its close frees them before it destroys the
+        stream, which a free racing with it could find gone). A stream whose
+        lock another thread holds is passed over rather than waited for: this
+        runs under the allocating stream's lock, and two allocations failing at
+        once on two streams would each wait for the other's."""
         freed = False
         for s in _all_streams(self):
-            if s.spare.kept():
-                freed = True
-                s.spare.free(s.cs, False)
+            lock = s._submission_lock
+            if not lock.acquire(False):
+                continue
+            try:
+                if not s._closing and s.spare.kept():
+                    freed = True
+                    s.spare.free(s.cs, False)
+            finally:
+                lock.release()
         return freed
 
     def alloc_host(self, nbytes: int, stream: _StreamImpl) -> _PinnedAlloc:

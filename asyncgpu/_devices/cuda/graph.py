@@ -194,7 +194,7 @@ def _kernel_parts(op: KernelOp) -> tuple[Any, Any]:
             f"kernel {fn.name!r}: a graph's kernel node cannot take a structured scalar; "
             "pass the struct's fields instead"
         )
-    return impl.kernel, _kernel_args(plan, op.args)
+    return impl.kernel, _kernel_args(plan, op.args, op.fn._ctx._state)
 
 
 def _instantiate(

@@ -36,6 +36,7 @@ from ..._core.function import (
     check_scalar_sizes,
     kernel_arg_kind,
 )
+from ..._core.ops import check_kernel_buffer
 
 _SHMEM_DEFAULT_LIMIT = 48 * 1024
 
@@ -176,18 +177,19 @@ def _plan(impl: _CudaFunction, args: tuple[Any, ...]) -> _ArgPlan:
     return plan
 
 
-def _kernel_args(plan: _ArgPlan, args: tuple[Any, ...]) -> tuple[Any, ...] | list[Any]:
-    """The arguments as cuda.core's launch takes them: buffers and other
-    libraries' arrays become their addresses (a buffer that cannot be used
-    raises why)."""
+def _kernel_args(plan: _ArgPlan, args: tuple[Any, ...], state: Any) -> tuple[Any, ...] | list[Any]:
+    """The arguments of a launch of ``state``'s context as cuda.core's launch
+    takes them: buffers and other libraries' arrays become their addresses (a
+    buffer that cannot be used, or one of another context that this one may not
+    use, ``check_kernel_buffer``, raises why)."""
     if not plan.conv:
         return args
     out = list(args)
     for i, kind in plan.conv:
         a = out[i]
         if kind == _BUFFER:
-            if a._alloc is None or a._ctx._state.closed:
-                a._check()
+            if a._ctx._state is not state or a._alloc is None or state.closed:
+                check_kernel_buffer(state, a, f"kernel argument {i}")
             out[i] = a._ptr
         else:
             out[i] = int(a.__cuda_array_interface__["data"][0])

@@ -402,7 +402,7 @@ class CudaStream(_PolledStream):
                 "a cluster launch cannot take a structured scalar argument: pass the "
                 "struct's fields instead"
             )
-        kargs = _kernel_args(plan, args)
+        kargs = _kernel_args(plan, args, self.state)
         if plan.foreign and self._pending is not None:
             self._settle()  # the other library's stream will wait for this launch
         with self._submit_lock:
