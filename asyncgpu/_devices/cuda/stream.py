@@ -60,6 +60,7 @@ from .driver import (
     _memcpy,
     _memset,
     _record,
+    _wait_event,
     _wait_event_once,
     _write_counter,
 )
@@ -247,7 +248,34 @@ class CudaStream(_PolledStream):
             return self.tail()
         # A wrapped stream: its owner's work is invisible to tail(), so an empty
         # operation of ours now stands for it too.
-        return _interop._fence(self)
+        return self.fence()
+
+    def fence(self) -> DeviceEvent:
+        """An empty operation of ours (no driver call of its own): its event stands
+        for everything submitted to the stream so far, by asyncgpu or, on a wrapped
+        stream, by the library that owns it. Its marker, placed now when the stream
+        is eager, else by the first await or query, is on a wrapped stream a driver
+        event from the stream's own pool (``cuEventRecord``), which the completion
+        asks with ``cuEventQuery``: the owner's last work is most often a copy (a
+        result coming back to the host), after which a counter write's memory fence
+        waits for the copy engine, and a recorded event costs the host less to
+        place. A fence of an owned stream follows the usual marker rules. Never
+        blocks; besides the event, it makes no Python object."""
+        with self._submit_lock:
+            self._before_submit()
+            if not self.owned:
+                self._after_copy = True  # (what _place_marker reads: a driver event)
+            ev = self._mark(None)
+        self._prune()
+        return ev
+
+    def wait_for_event_handle(self, handle: int) -> None:
+        """Later work here waits, on the device, for another library's driver event
+        (``cuStreamWaitEvent``: the event's latest record when this is called; one
+        never recorded orders nothing). Enqueues and returns; a stream held behind
+        host work queues the wait."""
+        with self._submit_lock:
+            self._issue(0, _wait_event, self.raw, cu.CUevent(handle))
 
     # -- the hot path ------------------------------------------------------------------
 
