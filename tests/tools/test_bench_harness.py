@@ -309,3 +309,22 @@ def test_the_report_leaves_out_the_sweep_of_a_run_that_has_none():
     doc = json.loads((results / "2026-12-07-h200-bench-3860686.json").read_text())
     del doc["results"]["engine_iteration_budget_sweep"]  # as runs before the sweep existed
     assert "wake-up budget" not in report.render(doc)
+
+
+def test_the_pytorch_serving_benchmark_runs_a_tiny_configuration(tmp_path):
+    """``benchmarks/bench_torch_serving.py --quick``: every waiting strategy on
+    one loop, checked results, a record that says whether a GPU ran it."""
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "serving.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_torch_serving.py"
+    subprocess.run(
+        [sys.executable, str(script), "--quick", "--loops", "asyncio", "--json", str(out)],
+        check=True,
+        timeout=300,
+    )
+    record = json.loads(out.read_text())
+    assert record["gpu"] == torch.cuda.is_available()
+    rows = record["loops"]["asyncio"]["median"]
+    assert [r["strategy"] for r in rows] == ["sync", "executor", "poll-1ms", "poll-0", "asyncgpu"]
+    assert all(r["requests_per_s"] > 0 and r["requests"] == 24 for r in rows)
+    assert set(record["loops"]["asyncio"]["goals"][0]) >= {"rate_ok", "cpu_ok", "ticker_ok"}
