@@ -217,6 +217,17 @@ class TestOnTheGpu:
         done.synchronize()
         assert done.query() and s.query()
 
+    def test_wrapping_pytorchs_streams_keeps_asyncgpus_own_streams_eager(self, torch) -> None:
+        """A wrapped stream adds no stream to the device, so wrapping PyTorch's
+        streams never counts as sharing the device's hardware queues (which
+        would turn eager markers off for every stream of the device)."""
+        with ag.DeviceContext(api="cuda") as ctx:
+            own = ctx._state.stream(0)
+            solo = own._queues.solo
+            for _ in range(16):
+                ctx.create_external_stream(torch.cuda.Stream())
+            assert own._queues.solo == solo
+
     def test_many_concurrent_awaits_over_a_pool_of_streams(self, torch) -> None:
         """The serving pattern: tasks each queue work on one of a few PyTorch
         streams and await it; every await sees its own result."""

@@ -18,9 +18,10 @@ stream waits on the device for memory that only the host writes. Streams
 wrapped from other libraries are the exception: their owner's work must wait
 too, so they wait on the device on a second counter the pool thread writes.
 
-A stream is made with ``cuStreamCreateWithPriority`` (or wraps another
-library's handle), counted among its device's hardware queues
-(``_join_queues``) and destroyed at ``close`` (``cuStreamDestroy``). Only
+A stream is made with ``cuStreamCreateWithPriority``, counted among its
+device's hardware queues (``_join_queues``) and destroyed at ``close``
+(``cuStreamDestroy``), or wraps another library's handle (neither counted nor
+destroyed). Only
 ``synchronize`` and a blocking wait for an event (``_block``) wait in the
 driver (``cuStreamSynchronize``, ``cuEventSynchronize``); the other driver
 calls here enqueue and return.
@@ -180,7 +181,10 @@ class CudaStream(_PolledStream):
             self.priority = int(_check(cu.cuStreamGetPriority(raw), "cuStreamGetPriority"))
         self.raw = raw
         self.h = int(raw)
-        self._queues = _join_queues(state.device_id, self)
+        if self.owned:
+            # (A wrapped stream adds no stream to the device: its owner's streams
+            # hold their queues whether asyncgpu wraps them or not.)
+            self._queues = _join_queues(state.device_id, self)
         self.cs = Stream.from_handle(self.h)
         self.caddr = _slab.take()
         self.saddr = _slab.take()
@@ -852,7 +856,8 @@ class CudaStream(_PolledStream):
         watcher.forget(self)
         self._free_spare.detach()
         self.is_closed = True
-        _leave_queues(self._queues, self)
+        if self.owned:
+            _leave_queues(self._queues, self)
         self._release()
 
 
