@@ -328,3 +328,20 @@ def test_the_pytorch_serving_benchmark_runs_a_tiny_configuration(tmp_path):
     assert [r["strategy"] for r in rows] == ["sync", "executor", "poll-1ms", "poll-0", "asyncgpu"]
     assert all(r["requests_per_s"] > 0 and r["requests"] == 24 for r in rows)
     assert set(record["loops"]["asyncio"]["goals"][0]) >= {"rate_ok", "cpu_ok", "ticker_ok"}
+
+
+def test_the_foreign_await_probe_runs_on_the_stand_in_driver(tmp_path):
+    """``benchmarks/diagnostics/probe_foreign_await.py``: the Python calls and
+    host time of one await of a wrapped stream, without a GPU."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    out = tmp_path / "probe.json"
+    diagnostics = Path(__file__).resolve().parents[2] / "benchmarks" / "diagnostics"
+    script = diagnostics / "probe_foreign_await.py"
+    subprocess.run(
+        [sys.executable, str(script), "-n", "50", "--polls", "2", "--json", str(out)],
+        check=True,
+        timeout=300,
+    )
+    steps = json.loads(out.read_text())["steps"]
+    assert set(steps) == {"await stream", "await fence"}
+    assert all(s["calls_per_await"] > 0 for s in steps.values())
