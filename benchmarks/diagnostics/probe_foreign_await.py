@@ -97,12 +97,10 @@ class _FinishAtPoll:
 
 
 def stand_in_steps(polls: int) -> tuple[dict[str, Step], Any]:
-    import ctypes
-    import threading
     from contextlib import ExitStack
     from types import SimpleNamespace
 
-    from _stand_in_driver import bound_stand_in
+    from _stand_in_driver import bound_stand_in, wrapped_stream
 
     from asyncgpu import DeviceEvent, _accel
     from asyncgpu._api.stream import DeviceStream
@@ -134,19 +132,7 @@ def stand_in_steps(polls: int) -> tuple[dict[str, Step], Any]:
         _stream.CudaStream,
         _memory._DeviceAlloc,
     )
-    s = _stream.CudaStream.__new__(_stream.CudaStream)
-    _PolledStream.__init__(s, SimpleNamespace(api="cuda", device_id=0), 9, 0)
-    s.owned = False
-    s._counter_mark = s._done_seq = 0
-    s._events, s._after_copy = None, False
-    s._copy_marks, s._free_events = _stream.deque(), []
-    s._marker_lock = threading.Lock()
-    s._counter = ctypes.c_uint64(0)
-    s.h = s.raw = 0x5EA
-    s.caddr = ctypes.addressof(s._counter)
-    s._counter_in_c = True
-    s.backend = SimpleNamespace(make_current=lambda: None)
-    s._write_marker = lambda seq: 0
+    s = wrapped_stream(0x5EA)
     ctx = SimpleNamespace(_check_open=lambda: None)
     wrapped = DeviceStream(ctx, s)  # type: ignore[arg-type]
 

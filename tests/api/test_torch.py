@@ -14,6 +14,7 @@ import sys
 import types
 
 import pytest
+from _kernels import cuda_device_count
 
 import asyncgpu as ag
 import asyncgpu.torch as agt
@@ -150,14 +151,7 @@ def test_a_cpu_context_cannot_wrap_pytorchs_stream(monkeypatch) -> None:
 # -- GPU: PyTorch's CUDA work ----------------------------------------------------------------
 
 
-def _has_cuda() -> bool:
-    try:
-        return ag.DeviceContext.number_of_devices(api="cuda") > 0
-    except Exception:
-        return False
-
-
-needs_gpu = pytest.mark.skipif(not _has_cuda(), reason="no CUDA device on this machine")
+needs_gpu = pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device on this machine")
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ _backend = pytest.importorskip(
 )
 
 
-from _stand_in_driver import Driver, bound_stand_in  # noqa: E402
+from _stand_in_driver import Driver, bound_stand_in, wrapped_stream  # noqa: E402
 
 from asyncgpu import DeviceError, _config  # noqa: E402
 from asyncgpu._devices.cuda import driver as _driver  # noqa: E402
@@ -686,21 +686,8 @@ def wrapped(monkeypatch):
         driver = _PythonDriver(c)
         monkeypatch.setattr(_stream, "cu", driver)
         monkeypatch.setattr(_driver, "cu", driver)
-        state = type("State", (), {"api": "cuda", "device_id": 0})()
-        s = _stream.CudaStream.__new__(_stream.CudaStream)
-        _PolledStream.__init__(s, state, 9, 0)
-        s.owned = False
-        s._counter_mark = s._done_seq = 0
-        s._events, s._after_copy = None, False
-        s._copy_marks, s._free_events = _stream.deque(), []
-        s._marker_lock = threading.Lock()
-        s._counter = ctypes.c_uint64(0)
-        s.h, s.caddr = 0x5EA, ctypes.addressof(s._counter)
-        s.raw = s.h
-        s._counter_in_c = True
-        s.backend = type("B", (), {"make_current": lambda self: None})()
-        written: list[int] = []
-        s._write_marker = lambda seq: written.append(seq) or 0
+        s = wrapped_stream(0x5EA)
+        written = s.written
         try:
             yield s, driver, written
         finally:
