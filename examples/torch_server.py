@@ -48,6 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
+import asyncgpu.torch
+
 STRATEGIES = ("sync", "executor", "poll-1ms", "poll-0", "asyncgpu")
 CPU_NOTE = (
     "CPU-only: PyTorch has no CUDA device here, so the model runs inside the handler and "
@@ -92,8 +94,6 @@ def _poll(pause: float) -> Callable[[Any], Awaitable[None]]:
 
 
 async def wait_asyncgpu(s: Any) -> None:
-    import asyncgpu.torch
-
     await asyncgpu.torch.wait(s)
 
 
