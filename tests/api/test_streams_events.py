@@ -286,6 +286,38 @@ async def test_await_event_stream_and_context(ctx: DeviceContext, gate) -> None:
 
 
 @pytest.mark.asyncio
+async def test_await_of_a_stream_is_not_its_last_operations_error(ctx: DeviceContext, gate) -> None:
+    """A CPU function's exception belongs to its event: awaiting the stream it
+    ran on waits for it (pending or done) and returns, and its event raises."""
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    for pending in (True, False):
+        g = gate()
+        ctx.enqueue_cpu_function(g)
+        failed = ctx.enqueue_cpu_function(boom)
+        if pending:
+            task = asyncio.create_task(_await(ctx.stream()))
+            await asyncio.sleep(0)
+            assert not task.done()
+            g.open()
+            await asyncio.wait_for(task, TIMEOUT_S)
+        else:
+            g.open()
+            with pytest.raises(ValueError, match="boom"):
+                await asyncio.wait_for(_await(failed), TIMEOUT_S)
+            await ctx.stream()  # done, with the error: returns at once
+        assert failed.query()
+        with pytest.raises(ValueError, match="boom"):
+            await failed
+
+
+async def _await(awaitable) -> None:
+    await awaitable
+
+
+@pytest.mark.asyncio
 async def test_await_of_an_idle_stream_returns(ctx: DeviceContext) -> None:
     await ctx.select_stream(6)
     await ctx.select_stream(6).stream()
