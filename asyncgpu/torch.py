@@ -6,9 +6,9 @@ itself is imported only at the first call)::
     import asyncgpu.torch
 
     with torch.cuda.stream(s):
-        y = model(x.to("cuda", non_blocking=True)).to(out, non_blocking=True)
+        out.copy_(model(x.to("cuda", non_blocking=True)), non_blocking=True)
         done = asyncgpu.torch.wait()   # covers everything queued on s so far
-    await done                          # the loop keeps running meanwhile
+    await done                          # the loop keeps running meanwhile; out is ready
 
     ev = torch.cuda.Event()
     ev.record(s)
@@ -157,12 +157,13 @@ def wait_event(event: Any, *, ctx: DeviceContext | None = None) -> DeviceEvent:
     has been reached, at its latest ``record`` before this call:
     ``await asyncgpu.torch.wait_event(ev)``. An event never recorded is done.
 
-    A stream of asyncgpu's per context waits for it on the device
-    (``cuStreamWaitEvent``) and an empty operation after that wait stands for
-    it, so the awaits of ``wait_event`` on one context finish in the order of
-    their calls: an event recorded after slow work holds back the awaits of
-    events called after it. For independent requests on several PyTorch
-    streams, ``wait(stream)`` per stream has no such order. Never blocks.
+    A stream of asyncgpu's per context (made at the first call, one more
+    stream of the device) waits for it on the device (``cuStreamWaitEvent``)
+    and an empty operation after that wait stands for it, so the awaits of
+    ``wait_event`` on one context finish in the order of their calls: an event
+    recorded after slow work holds back the awaits of events called after it.
+    For independent requests on several PyTorch streams, ``wait(stream)`` per
+    stream has no such order. Never blocks.
     ``NoDeviceError`` without PyTorch's CUDA; ``TypeError`` if ``event`` is not
     a CUDA event."""
     torch = _torch()

@@ -114,7 +114,7 @@ class DeviceStream:
         self._ctx._check_open()
         impl = self._impl
         ev = impl.point()
-        if ev is None or ev._done and ev._error is None:
+        if ev is None or (ev._done and ev._error is None):
             return
         if not ev._done:
             refuse_wait_from_own_work(impl, ev._seq)

@@ -264,7 +264,8 @@ class CudaStream(_PolledStream):
         result coming back to the host), after which a counter write's memory fence
         waits for the copy engine, and a recorded event costs the host less to
         place. A fence of an owned stream follows the usual marker rules. Never
-        blocks; besides the event, it makes no Python object."""
+        blocks; it makes no Python object but its event (and, once marked, the
+        marker's entry)."""
         with self._submit_lock:
             self._before_submit()
             if not self.owned:
