@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--loops", default=",".join(LOOPS))
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument(
+        "--fence-marker",
+        choices=("event", "counter"),
+        default="event",
+        help="what marks asyncgpu's empty operation on a PyTorch stream: a recorded driver "
+        "event (asyncgpu's choice) or the completion counter's write (for comparison)",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny run (CI, the CPU)")
     p.add_argument("--json", help="write the record here")
     a = p.parse_args(argv)
@@ -129,11 +136,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         a.clients, a.requests, a.width, a.batch, a.rounds = 8, 3, 64, 2, 1
     strategies = a.strategies.split(",")
     gpu = torch.cuda.is_available()
+    if gpu:
+        from asyncgpu._devices.cuda.stream import CudaStream
+
+        CudaStream._fence_event_marker = a.fence_marker == "event"
     service = Service(a.width, a.batch, a.streams)
     title = (
         f"{a.clients} clients x {a.requests} requests, a 4-layer {a.width}-wide MLP, batch "
         f"{a.batch}, {a.streams if gpu else 0} PyTorch streams, "
         + (torch.cuda.get_device_name() if gpu else "CPU-only")
+        + ("" if a.fence_marker == "event" else ", asyncgpu's fence marked by the counter")
     )
     record: dict[str, Any] = {
         "benchmark": "torch_serving",

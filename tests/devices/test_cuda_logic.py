@@ -720,6 +720,17 @@ def test_a_wrapped_streams_fence_is_marked_by_a_pooled_driver_event(wrapped) -> 
     assert second.query() and not s._inflight
 
 
+def test_a_fence_marked_by_the_counter_when_the_benchmarks_ask(wrapped, monkeypatch) -> None:
+    """(``_fence_event_marker``: the serving benchmark compares the two markers.)"""
+    s, driver, written = wrapped
+    monkeypatch.setattr(_stream.CudaStream, "_fence_event_marker", False)
+    ev = s.fence()
+    assert not ev.query()
+    assert written == [ev._seq] and driver.c.records == []
+    s._counter.value = ev._seq
+    assert ev.query()
+
+
 def test_a_fence_stands_for_everything_before_it_and_orders_nothing_after() -> None:
     """The point of a wrapped stream is a new fence each time (its owner's work
     is invisible to asyncgpu); an owned stream's point is its last operation."""

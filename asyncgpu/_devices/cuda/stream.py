@@ -254,6 +254,10 @@ class CudaStream(_PolledStream):
         # operation of ours now stands for it too.
         return self.fence()
 
+    # Whether a wrapped stream's fence is marked by a driver event (``fence``);
+    # False: by the counter, as other operations (benchmarks compare the two).
+    _fence_event_marker = True
+
     def fence(self) -> DeviceEvent:
         """An empty operation of ours (no driver call of its own): its event stands
         for everything submitted to the stream so far, by asyncgpu or, on a wrapped
@@ -268,7 +272,7 @@ class CudaStream(_PolledStream):
         marker's entry)."""
         with self._submit_lock:
             self._before_submit()
-            if not self.owned:
+            if not self.owned and self._fence_event_marker:
                 self._after_copy = True  # (what _place_marker reads: a driver event)
             ev = self._mark(None)
         self._prune()
