@@ -325,7 +325,9 @@ def test_the_pytorch_serving_benchmark_runs_a_tiny_configuration(tmp_path):
     record = json.loads(out.read_text())
     assert record["gpu"] == torch.cuda.is_available()
     rows = record["loops"]["asyncio"]["median"]
-    assert [r["strategy"] for r in rows] == ["sync", "executor", "poll-1ms", "poll-0", "asyncgpu"]
+    assert [r["strategy"] for r in rows] == [
+        *("sync", "executor", "poll-1ms", "poll-0", "asyncgpu", "asyncgpu-stream")
+    ]
     assert all(r["requests_per_s"] > 0 and r["requests"] == 24 for r in rows)
     assert set(record["loops"]["asyncio"]["goals"][0]) >= {"rate_ok", "cpu_ok", "ticker_ok"}
 
