@@ -98,3 +98,34 @@ def bound_stand_in(events: bool = False) -> Iterator[Driver]:
 
 
 _kept: list[Any] = []
+
+
+def wrapped_stream(handle: int = 0x5EA) -> Any:
+    """A wrapped ``CudaStream`` (another library's: ``owned`` false) with the
+    whole polled-stream bookkeeping and no GPU: its counter in ordinary memory,
+    its markers through the extension (bind a stand-in with ``events`` first),
+    counter writes recorded in ``written``. The caller patches the stream
+    module's ``cu`` for the marker events it creates (``cuEventCreate``) and
+    configures the extension with ``CudaStream``."""
+    import threading
+    from collections import deque
+    from types import SimpleNamespace
+
+    from asyncgpu._core.stream import _PolledStream
+    from asyncgpu._devices.cuda.stream import CudaStream
+
+    s = CudaStream.__new__(CudaStream)
+    _PolledStream.__init__(s, SimpleNamespace(api="cuda", device_id=0), 9, 0)
+    s.owned = False
+    s._counter_mark = s._done_seq = 0
+    s._events, s._after_copy = None, False
+    s._copy_marks, s._free_events = deque(), []
+    s._marker_lock = threading.Lock()
+    s._counter = ctypes.c_uint64(0)
+    s.h = s.raw = handle
+    s.caddr = ctypes.addressof(s._counter)
+    s._counter_in_c = True
+    s.backend = SimpleNamespace(make_current=lambda: None)
+    s.written = []
+    s._write_marker = lambda seq: s.written.append(seq) or 0
+    return s

@@ -388,14 +388,27 @@ class DeviceContext(native.ContextCore):
 
     def create_external_stream(self, external_stream: Any) -> DeviceStream:
         """Wrap a stream another library owns (a ``CUstream`` address, or an object
-        with ``__cuda_stream__`` / ``cuda_stream``). The wrapper does not own it."""
+        with ``__cuda_stream__`` / ``cuda_stream``). The wrapper does not own it.
+
+        A context wraps each handle once: wrapping the same ``CUstream`` again
+        (another Python object for it, such as each ``torch.cuda.current_stream()``)
+        gives a stream equal to the first, with the same completion bookkeeping, so
+        wrapping per request costs a dictionary look-up, not a new stream. The
+        first object wrapped is kept alive as long as the context; a stream
+        destroyed by its owner must not be used through the wrapper again."""
         self._check_open()
         state = self._state
-        with state.lock:
-            state.refuse_if_closing()
-            index = state.num_streams + len(state.extra_streams)
-            impl = state.backend.external_stream(state, external_stream, index)
-            state.extra_streams.append(impl)
+        handle = state.backend.external_handle(external_stream)
+        impl = state.external_streams.get(handle)
+        if impl is None:
+            with state.lock:
+                state.refuse_if_closing()
+                impl = state.external_streams.get(handle)
+                if impl is None:
+                    index = state.num_streams + len(state.extra_streams)
+                    impl = state.backend.external_stream(state, external_stream, index)
+                    state.extra_streams.append(impl)
+                    state.external_streams[handle] = impl
         return DeviceStream(self, impl)
 
     def create_event(

@@ -7,7 +7,9 @@ from typing import Any, Protocol
 
 from .._core.event import DeviceEvent, _UserEvent
 from .._core.memory import ContextView
+from .._core.pool import refuse_wait_from_own_work
 from .._core.stream import _StreamImpl
+from .._errors import DeviceFaultError
 
 __all__ = ["DeviceStream"]
 
@@ -110,10 +112,21 @@ class DeviceStream:
 
     def __await__(self) -> Generator[Any, None, None]:
         self._ctx._check_open()
-        ev = self._impl.point()
-        if ev is not None:
-            yield from ev._wait_async()
-            ev._raise_fault()
+        impl = self._impl
+        ev = impl.point()
+        if ev is None or (ev._done and ev._error is None):
+            return
+        if not ev._done:
+            refuse_wait_from_own_work(impl, ev._seq)
+        try:
+            yield from ev.__await__()  # (the event's compiled await)
+        except DeviceFaultError:
+            raise
+        except Exception as e:
+            # The error of the stream's last operation itself (a CPU function's) is
+            # that operation's, not the stream's: the stream's work is done.
+            if e is not ev._error:
+                raise
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DeviceStream) and other._impl is self._impl

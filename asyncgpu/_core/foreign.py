@@ -30,19 +30,9 @@ from .stream import _StreamImpl
 __all__ = ["launch_done", "launch_streams", "operand", "wrap_cai", "wrap_dlpack"]
 
 
-_DONE = DeviceEvent(None)
-_DONE._done = True
-
-
 def _fence(impl: _StreamImpl) -> DeviceEvent:
-    """An operation that does nothing on ``impl``: its event stands for everything
-    submitted to the stream so far, by asyncgpu or, for a wrapped stream, by the
-    library that owns it. Waiting for it orders after all of that."""
-    ev = impl.wait_event(_DONE)
-    prune = getattr(impl, "_prune", None)
-    if prune is not None:
-        prune()
-    return ev
+    """An operation that does nothing on ``impl`` (``_StreamImpl.fence``)."""
+    return impl.fence()
 
 
 def _normalize_stream(handle: Any) -> int | None:

@@ -50,6 +50,8 @@ class _ContextState(native.StateCore):
         self.num_streams = num_streams
         self.streams: dict[int, _StreamImpl] = {}  # (made at once or on first use)
         self.extra_streams: list[_StreamImpl] = []
+        # Wrapped streams by native handle (among extra_streams): one per handle.
+        self.external_streams: dict[int, _StreamImpl] = {}
         self.compiled: dict[Any, DeviceFunction] = {}
         self.limits: dict[DeviceAttribute, int] = {}
         _open_states.add(self)

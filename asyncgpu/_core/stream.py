@@ -27,7 +27,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .._accel import native
-from .._errors import ContextClosedError, DeviceError, DeviceFaultError
+from .._errors import ContextClosedError, DeviceError, DeviceFaultError, UnsupportedError
 from . import engine as _engine
 from . import pool as _pool
 from .event import DeviceEvent, _loop_waiter, _trio_wait_pushed, _UserEvent
@@ -80,6 +80,11 @@ class _HostResult:
 
 _follow_lock = threading.Lock()
 _waiter_order = itertools.count()  # ties between issue waiters: first come, first called
+
+
+# An event that is done: a wait for it orders nothing (what ``fence`` enqueues).
+_DONE = DeviceEvent(None)
+_DONE._done = True
 
 
 class _Gate:
@@ -156,6 +161,18 @@ class _StreamImpl:
         """The event standing for everything submitted to the stream so far (what
         ``await stream`` and ``enqueue_wait_for(stream)`` wait for)."""
         return self.tail()
+
+    def fence(self) -> DeviceEvent:
+        """An operation that does nothing: its event stands for everything
+        submitted to the stream so far, by asyncgpu or, for a wrapped stream, by
+        the library that owns it. Waiting for it orders after all of that. Never
+        blocks."""
+        return self.wait_event(_DONE)
+
+    def wait_for_event_handle(self, handle: int) -> None:
+        """Later work here waits, on the device, for the driver event ``handle``
+        (another library's, at its latest record). Only CUDA streams can."""
+        raise UnsupportedError(f"{self.label} cannot wait for a CUDA event")
 
     def record(self, ev: _UserEvent) -> None:
         """Re-point the user event ``ev`` at the current end of this stream."""

@@ -619,6 +619,9 @@ class CpuBackend:
     def new_stream(self, state: _ContextState, index: int, priority: int) -> CpuStream:
         return CpuStream(state, index, priority)
 
+    def external_handle(self, stream: Any) -> int:
+        raise UnsupportedError("the CPU device has no external streams to wrap")
+
     def external_stream(self, state: _ContextState, handle: Any, index: int) -> CpuStream:
         raise UnsupportedError("the CPU device has no external streams to wrap")
 

@@ -113,6 +113,37 @@ def test_cpu_device_has_no_external_streams(ctx: DeviceContext) -> None:
         ctx.create_external_stream(0)
 
 
+class _TheirStream:
+    """Another library's stream object: a new one for the same native stream at
+    each call, as ``torch.cuda.current_stream()`` gives."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+@pytest.mark.parametrize("api", ["cpu"])
+def test_a_context_wraps_each_native_stream_once(ctx: DeviceContext, monkeypatch) -> None:
+    """Wrapping a native stream again gives the first wrapper back (one stream of
+    ours per native stream, whatever object names it): wrapping per request
+    costs a look-up. The CPU device has no native streams, so its backend is
+    given the CUDA backend's two steps here: read the handle, wrap it."""
+    backend = ctx._state.backend
+    made: list[int] = []
+
+    def external_stream(state, theirs, index):
+        made.append(theirs.cuda_stream)
+        return backend.new_stream(state, index, 0)
+
+    monkeypatch.setattr(backend, "external_handle", lambda theirs: theirs.cuda_stream)
+    monkeypatch.setattr(backend, "external_stream", external_stream)
+    first = ctx.create_external_stream(_TheirStream(0x10))
+    again = ctx.create_external_stream(_TheirStream(0x10))
+    other = ctx.create_external_stream(_TheirStream(0x20))
+    assert first == again and first != other
+    assert made == [0x10, 0x20]
+    assert ctx._state.external_streams == {0x10: first._impl, 0x20: other._impl}
+
+
 @pytest.mark.parametrize("api", [pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_external_stream_wraps_a_native_handle(api: str, rng: np.random.Generator) -> None:
     from _kernels import cuda_device_count
@@ -252,6 +283,38 @@ async def test_await_event_stream_and_context(ctx: DeviceContext, gate) -> None:
         g.open()
         await asyncio.wait_for(task, TIMEOUT_S)
         assert held.query(), target
+
+
+@pytest.mark.asyncio
+async def test_await_of_a_stream_is_not_its_last_operations_error(ctx: DeviceContext, gate) -> None:
+    """A CPU function's exception belongs to its event: awaiting the stream it
+    ran on waits for it (pending or done) and returns, and its event raises."""
+
+    def boom() -> None:
+        raise ValueError("boom")
+
+    for pending in (True, False):
+        g = gate()
+        ctx.enqueue_cpu_function(g)
+        failed = ctx.enqueue_cpu_function(boom)
+        if pending:
+            task = asyncio.create_task(_await(ctx.stream()))
+            await asyncio.sleep(0)
+            assert not task.done()
+            g.open()
+            await asyncio.wait_for(task, TIMEOUT_S)
+        else:
+            g.open()
+            with pytest.raises(ValueError, match="boom"):
+                await asyncio.wait_for(_await(failed), TIMEOUT_S)
+            await ctx.stream()  # done, with the error: returns at once
+        assert failed.query()
+        with pytest.raises(ValueError, match="boom"):
+            await failed
+
+
+async def _await(awaitable) -> None:
+    await awaitable
 
 
 @pytest.mark.asyncio

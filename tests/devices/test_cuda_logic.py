@@ -14,7 +14,7 @@ _backend = pytest.importorskip(
 )
 
 
-from _stand_in_driver import Driver, bound_stand_in  # noqa: E402
+from _stand_in_driver import Driver, bound_stand_in, wrapped_stream  # noqa: E402
 
 from asyncgpu import DeviceError, _config  # noqa: E402
 from asyncgpu._devices.cuda import driver as _driver  # noqa: E402
@@ -707,3 +707,114 @@ def test_host_work_starts_the_host_work_behind_it_when_it_ends() -> None:
     assert started == ["next"]
     assert not r.follow(lambda: started.append("too late"))
     assert started == ["next"]
+
+
+# -- awaiting another library's stream (a wrapped stream's fence) -------------------------
+
+
+@pytest.fixture
+def wrapped(monkeypatch):
+    """A wrapped CudaStream (another library's, ``owned`` false) with the whole
+    polled-stream bookkeeping, its driver calls on the stand-in and
+    ``_PythonDriver`` as in ``marked``; ``written`` lists its counter markers."""
+    from asyncgpu import DeviceEvent, _accel
+    from asyncgpu._core.engine import watcher
+    from asyncgpu._core.stream import _PolledStream
+
+    sweeps: list[object] = []  # (the watcher's sweeps this stream asks for)
+    _accel.native.configure(
+        DeviceEvent,
+        sweeps.append,
+        _PolledStream.MARK_EVERY,
+        _stream.CudaStream,
+        _memory._DeviceAlloc,
+    )
+    with bound_stand_in(events=True) as c:
+        driver = _PythonDriver(c)
+        monkeypatch.setattr(_stream, "cu", driver)
+        monkeypatch.setattr(_driver, "cu", driver)
+        s = wrapped_stream(0x5EA)
+        written = s.written
+        try:
+            yield s, driver, written
+        finally:
+            _accel.native.configure(DeviceEvent, watcher.sweep_later, _PolledStream.MARK_EVERY)
+
+
+def test_a_wrapped_streams_fence_is_marked_by_a_pooled_driver_event(wrapped) -> None:
+    """The await of another library's stream enqueues one empty operation of ours
+    (no driver call), whose marker is a driver event recorded on that stream: its
+    owner's last work is most often a copy, after which a counter write would
+    wait for the copy engine. The completion asks the event (``cuEventQuery``),
+    and the next fence records the same event again."""
+    s, driver, written = wrapped
+    first = s.fence()
+    assert first._seq == 1 and s.tail() is first
+    assert driver.c.records == []  # lazy: nothing marks it until it is waited for
+
+    assert not first.query()  # the wait places the marker: the event
+    assert driver.c.records == [(0xE0, 0x5EA)] and written == []
+    driver.c.finished.add(0xE0)
+    assert first.query()
+    assert s._free_events == [0xE0]
+
+    second = s.fence()  # the stream is eager now (its fences are awaited)
+    assert second._seq == 2
+    assert driver.c.records == [(0xE0, 0x5EA), (0xE0, 0x5EA)]  # recorded again
+    assert driver.created == [0xE0] and written == []  # one event, reused; no counter
+    assert not second.query()
+    driver.c.finished.add(0xE0)
+    assert second.query() and not s._inflight
+
+
+def test_a_fence_marked_by_the_counter_when_the_benchmarks_ask(wrapped, monkeypatch) -> None:
+    """(``_fence_event_marker``: the serving benchmark compares the two markers.)"""
+    s, driver, written = wrapped
+    monkeypatch.setattr(_stream.CudaStream, "_fence_event_marker", False)
+    ev = s.fence()
+    assert not ev.query()
+    assert written == [ev._seq] and driver.c.records == []
+    s._counter.value = ev._seq
+    assert ev.query()
+
+
+def test_a_fence_stands_for_everything_before_it_and_orders_nothing_after() -> None:
+    """The point of a wrapped stream is a new fence each time (its owner's work
+    is invisible to asyncgpu); an owned stream's point is its last operation."""
+    wrapped_point = _stream.CudaStream.point
+    s = type(
+        "S", (), {"owned": False, "fence": lambda self: "fence", "tail": lambda self: "tail"}
+    )()
+    assert wrapped_point(s) == "fence"
+    s.owned = True
+    assert wrapped_point(s) == "tail"
+
+
+def test_waiting_for_another_librarys_event_is_a_device_wait_on_it(wrapped) -> None:
+    """``wait_for_event_handle`` places ``cuStreamWaitEvent`` for the given event
+    (its latest record); the fence after it then stands for that event too."""
+    s, driver, _ = wrapped
+    monkey_event = 0xCAFE
+    driver.CUevent = int  # (cuda.bindings' CUevent of an address)
+    s.wait_for_event_handle(monkey_event)
+    assert driver.waits == [("event", monkey_event)]
+    ev = s.fence()
+    assert ev._seq == 1
+
+
+@pytest.mark.parametrize(
+    ("obj", "handle"),
+    [
+        (0x1234, 0x1234),
+        (type("Torch", (), {"cuda_stream": 0x55})(), 0x55),
+        (type("CuPy", (), {"ptr": 0x66})(), 0x66),
+        (type("Proto", (), {"__cuda_stream__": lambda self: (0, 0x77)})(), 0x77),
+    ],
+)
+def test_the_handle_of_another_librarys_stream_is_read_without_a_driver_call(obj, handle):
+    assert _backend.CudaBackend.external_handle(None, obj) == handle
+
+
+def test_a_stream_that_is_not_one_is_a_type_error_at_the_wrap() -> None:
+    with pytest.raises(TypeError, match="create_external_stream takes a CUstream"):
+        _backend.CudaBackend.external_handle(None, object())

@@ -309,3 +309,41 @@ def test_the_report_leaves_out_the_sweep_of_a_run_that_has_none():
     doc = json.loads((results / "2026-12-07-h200-bench-3860686.json").read_text())
     del doc["results"]["engine_iteration_budget_sweep"]  # as runs before the sweep existed
     assert "wake-up budget" not in report.render(doc)
+
+
+def test_the_pytorch_serving_benchmark_runs_a_tiny_configuration(tmp_path):
+    """``benchmarks/bench_torch_serving.py --quick``: every waiting strategy on
+    one loop, checked results, a record that says whether a GPU ran it."""
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "serving.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_torch_serving.py"
+    subprocess.run(
+        [sys.executable, str(script), "--quick", "--loops", "asyncio", "--json", str(out)],
+        check=True,
+        timeout=300,
+    )
+    record = json.loads(out.read_text())
+    assert record["gpu"] == torch.cuda.is_available()
+    rows = record["loops"]["asyncio"]["median"]
+    assert [r["strategy"] for r in rows] == [
+        *("sync", "executor", "poll-1ms", "poll-0", "asyncgpu", "asyncgpu-stream")
+    ]
+    assert all(r["requests_per_s"] > 0 and r["requests"] == 24 for r in rows)
+    assert set(record["loops"]["asyncio"]["goals"][0]) >= {"rate_ok", "cpu_ok", "ticker_ok"}
+
+
+def test_the_foreign_await_probe_runs_on_the_stand_in_driver(tmp_path):
+    """``benchmarks/diagnostics/probe_foreign_await.py``: the Python calls and
+    host time of one await of a wrapped stream, without a GPU."""
+    pytest.importorskip("cuda.bindings", reason="cuda-python is not installed")
+    out = tmp_path / "probe.json"
+    diagnostics = Path(__file__).resolve().parents[2] / "benchmarks" / "diagnostics"
+    script = diagnostics / "probe_foreign_await.py"
+    subprocess.run(
+        [sys.executable, str(script), "-n", "50", "--polls", "2", "--json", str(out)],
+        check=True,
+        timeout=300,
+    )
+    steps = json.loads(out.read_text())["steps"]
+    assert set(steps) == {"await stream", "await fence"}
+    assert all(s["calls_per_await"] > 0 for s in steps.values())

@@ -118,3 +118,29 @@ def test_server_writes_a_file_only_when_given_out(tmp_path, api):
     r = run_example("server.py", *args, cwd=tmp_path, api=api)
     assert json.loads(r.stdout)["verified"] is True
     assert list(tmp_path.iterdir()) == []  # nothing in the current folder
+
+
+def test_torch_server(tmp_path):
+    """The PyTorch service and its load generator, every waiting strategy, a
+    tiny model (on the CPU where PyTorch has no GPU: the note says so)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("aiohttp")
+    out = tmp_path / "rows.json"
+    r = run_example(
+        "torch_server.py",
+        *("--clients", "3", "--requests", "4", "--width", "32", "--batch", "2"),
+        *("--check-every", "1", "--json", str(out)),
+        cwd=tmp_path,
+    )
+    assert "verified:" in r.stdout
+    saved = json.loads(out.read_text())
+    assert [row["strategy"] for row in saved["rows"]] == [
+        "sync",
+        "executor",
+        "poll-1ms",
+        "poll-0",
+        "asyncgpu",
+    ]
+    assert all(row["requests"] == 12 for row in saved["rows"])
+    assert saved["gpu"] == torch.cuda.is_available()
+    assert ("the strategies mean nothing without a GPU" in r.stdout) != saved["gpu"]

@@ -462,15 +462,25 @@ class CudaBackend:
         self._streams.add(s)
         return s
 
+    def external_handle(self, stream: Any) -> int:
+        """The ``CUstream`` of another library's stream object (``__cuda_stream__``,
+        PyTorch's ``cuda_stream``, CuPy's ``ptr``) or of an int. No driver call."""
+        if hasattr(stream, "__cuda_stream__"):
+            return int(stream.__cuda_stream__()[1])
+        if hasattr(stream, "cuda_stream"):
+            return int(stream.cuda_stream)
+        if hasattr(stream, "ptr") and not isinstance(stream, int):
+            return int(stream.ptr)
+        try:
+            return int(stream)  # an address, or cuda.bindings' CUstream
+        except (TypeError, ValueError):
+            raise TypeError(
+                "create_external_stream takes a CUstream (an int) or a stream object "
+                f"(__cuda_stream__, cuda_stream or ptr), not {type(stream).__name__}"
+            ) from None
+
     def _external_stream(self, state: _ContextState, handle: Any, index: int) -> CudaStream:
-        if hasattr(handle, "__cuda_stream__"):
-            h = int(handle.__cuda_stream__()[1])
-        elif hasattr(handle, "cuda_stream"):
-            h = int(handle.cuda_stream)
-        elif hasattr(handle, "ptr") and not isinstance(handle, int):
-            h = int(handle.ptr)
-        else:
-            h = int(handle)
+        h = self.external_handle(handle)
         # The other library's stream object stays alive while we may use its handle
         # (buffers allocated on it are freed on it, possibly much later).
         owner = None if isinstance(handle, int) else handle

@@ -123,9 +123,13 @@ def _record(e: Any, stream: Any) -> None:
     _check(cu.cuEventRecord(e, stream), "cuEventRecord")
 
 
+def _wait_event(stream: Any, e: Any) -> None:
+    _check(cu.cuStreamWaitEvent(stream, e, 0), "cuStreamWaitEvent")
+
+
 def _wait_event_once(stream: Any, e: Any) -> None:
     try:
-        _check(cu.cuStreamWaitEvent(stream, e, 0), "cuStreamWaitEvent")
+        _wait_event(stream, e)
     finally:
         cu.cuEventDestroy(e)
 

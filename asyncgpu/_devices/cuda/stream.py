@@ -18,9 +18,10 @@ stream waits on the device for memory that only the host writes. Streams
 wrapped from other libraries are the exception: their owner's work must wait
 too, so they wait on the device on a second counter the pool thread writes.
 
-A stream is made with ``cuStreamCreateWithPriority`` (or wraps another
-library's handle), counted among its device's hardware queues
-(``_join_queues``) and destroyed at ``close`` (``cuStreamDestroy``). Only
+A stream is made with ``cuStreamCreateWithPriority``, counted among its
+device's hardware queues (``_join_queues``) and destroyed at ``close``
+(``cuStreamDestroy``), or wraps another library's handle (neither counted nor
+destroyed). Only
 ``synchronize`` and a blocking wait for an event (``_block``) wait in the
 driver (``cuStreamSynchronize``, ``cuEventSynchronize``); the other driver
 calls here enqueue and return.
@@ -59,6 +60,7 @@ from .driver import (
     _memcpy,
     _memset,
     _record,
+    _wait_event,
     _wait_event_once,
     _write_counter,
 )
@@ -178,7 +180,10 @@ class CudaStream(_PolledStream):
             self.priority = int(_check(cu.cuStreamGetPriority(raw), "cuStreamGetPriority"))
         self.raw = raw
         self.h = int(raw)
-        self._queues = _join_queues(state.device_id, self)
+        if self.owned:
+            # (A wrapped stream adds no stream to the device: its owner's streams
+            # hold their queues whether asyncgpu wraps them or not.)
+            self._queues = _join_queues(state.device_id, self)
         self.cs = Stream.from_handle(self.h)
         self.caddr = _slab.take()
         self.saddr = _slab.take()
@@ -246,7 +251,39 @@ class CudaStream(_PolledStream):
             return self.tail()
         # A wrapped stream: its owner's work is invisible to tail(), so an empty
         # operation of ours now stands for it too.
-        return _interop._fence(self)
+        return self.fence()
+
+    # Whether a wrapped stream's fence is marked by a driver event (``fence``);
+    # False: by the counter, as other operations (benchmarks compare the two).
+    _fence_event_marker = True
+
+    def fence(self) -> DeviceEvent:
+        """An empty operation of ours (no driver call of its own): its event stands
+        for everything submitted to the stream so far, by asyncgpu or, on a wrapped
+        stream, by the library that owns it. Its marker, placed now when the stream
+        is eager, else by the first await or query, is on a wrapped stream a driver
+        event from the stream's own pool (``cuEventRecord``), which the completion
+        asks with ``cuEventQuery``: the owner's last work is most often a copy (a
+        result coming back to the host), after which a counter write's memory fence
+        waits for the copy engine, and a recorded event costs the host less to
+        place. A fence of an owned stream follows the usual marker rules. Never
+        blocks; it makes no Python object but its event (and, once marked, the
+        marker's entry)."""
+        with self._submit_lock:
+            self._before_submit()
+            if not self.owned and self._fence_event_marker:
+                self._after_copy = True  # (what _place_marker reads: a driver event)
+            ev = self._mark(None)
+        self._prune()
+        return ev
+
+    def wait_for_event_handle(self, handle: int) -> None:
+        """Later work here waits, on the device, for another library's driver event
+        (``cuStreamWaitEvent``: the event's latest record when this is called; one
+        never recorded orders nothing). Enqueues and returns; a stream held behind
+        host work queues the wait."""
+        with self._submit_lock:
+            self._issue(0, _wait_event, self.raw, cu.CUevent(handle))
 
     # -- the hot path ------------------------------------------------------------------
 
@@ -827,7 +864,8 @@ class CudaStream(_PolledStream):
         watcher.forget(self)
         self._free_spare.detach()
         self.is_closed = True
-        _leave_queues(self._queues, self)
+        if self.owned:
+            _leave_queues(self._queues, self)
         self._release()
 
 
