@@ -34,6 +34,7 @@ Without PyTorch, or with a PyTorch that has no CUDA device, the calls raise
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 import weakref
@@ -60,7 +61,7 @@ def _torch() -> Any:
     torch = sys.modules.get("torch")
     if torch is None:
         try:
-            import torch
+            torch = importlib.import_module("torch")
         except ImportError as e:
             raise NoDeviceError(
                 f"asyncgpu.torch needs PyTorch with CUDA, and PyTorch is not installed ({e})"
