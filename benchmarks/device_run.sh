@@ -4,6 +4,10 @@
 #                [--sanitize]  (also: the CUDA test cases under compute-sanitizer memcheck)
 #                [--exit-check] (also: each test file in its own process, with its exit status)
 #                [--gdb=tests/api/test_x.py] (also: that file under cuda-gdb, for a native backtrace)
+#                [--ab] (also: benchmarks/diagnostics/primitives_ab.py, this build against the one in
+#                .variant/, which benchmarks/diagnostics/make_variant.sh makes; carry .variant)
+#                [--serving] (also: benchmarks/bench_torch_serving.py and probe_foreign_await.py)
+#                [--skip-suite] (the bench step without benchmarks/run.py: graphs, --ab, --serving, soak)
 #                [--probe] (also: benchmarks/diagnostics/probe_driver.py: the driver calls' host cost, the
 #                layers of a launch, the copy/kernel pipeline by kind of marker; and
 #                benchmarks/diagnostics/probe_await.py: where the time of an awaited launch goes;
@@ -17,7 +21,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/asyncgpu-device-out}
 mkdir -p "$OUT"
-MODE=all QUICK= SKIP_BENCH= SANITIZE= EXIT_CHECK= GDB_FILE= PROBE= SKIP_SOAK=
+MODE=all QUICK= SKIP_BENCH= SANITIZE= EXIT_CHECK= GDB_FILE= PROBE= SKIP_SOAK= AB= SERVING= SKIP_SUITE=
 for a in "$@"; do
   case "$a" in
     --quick) QUICK=--quick ;;
@@ -29,6 +33,9 @@ for a in "$@"; do
     --gdb=*) GDB_FILE=${a#--gdb=} ;;
     --probe) PROBE=1 ;;
     --skip-soak) SKIP_SOAK=1 ;;
+    --ab) AB=1 ;;
+    --serving) SERVING=1 ;;
+    --skip-suite) SKIP_SUITE=1 ;;
   esac
 done
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -129,21 +136,31 @@ fi
 if [ "$MODE" != tests ]; then
   if [ -f benchmarks/run.py ]; then
     if [ -z "$SKIP_BENCH" ]; then
-      timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+      [ -z "$SKIP_SUITE" ] && timeout "${BENCH_TIMEOUT:-330}" python3 benchmarks/run.py --device $QUICK --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
       tail -45 "$OUT/bench.log"
       # Device graphs (benchmarks/graphs.py) and, when .variant/ holds another build of the
       # package (benchmarks/diagnostics/make_variant.sh), the A/B of the two builds: their
       # figures go into extra.json under "graphs" and "primitives_ab", their logs into
       # bench.log (the device tool brings back at most 8 files).
+      rm -f /tmp/graphs.json /tmp/primitives-ab.json /tmp/torch-serving.json /tmp/probe-foreign.json
       { echo; echo "== benchmarks/graphs.py =="; } >> "$OUT/bench.log"
       timeout "${GRAPHS_TIMEOUT:-120}" python3 benchmarks/graphs.py --api cuda --json /tmp/graphs.json \
         >> "$OUT/bench.log" 2>&1
-      if [ -d .variant/asyncgpu ] && [ -f benchmarks/diagnostics/primitives_ab.py ]; then
+      if [ -n "$AB" ] && [ -d .variant/asyncgpu ]; then
         { echo; echo "== benchmarks/diagnostics/primitives_ab.py =="; } >> "$OUT/bench.log"
         timeout "${AB_TIMEOUT:-150}" python3 benchmarks/diagnostics/primitives_ab.py --variant-dir .variant \
           --json /tmp/primitives-ab.json >> "$OUT/bench.log" 2>&1
       fi
-      python3 - "$OUT/extra.json" graphs=/tmp/graphs.json primitives_ab=/tmp/primitives-ab.json <<'PY'
+      if [ -n "$SERVING" ]; then
+        { echo; echo "== benchmarks/bench_torch_serving.py =="; } >> "$OUT/bench.log"
+        timeout "${SERVING_TIMEOUT:-200}" python3 benchmarks/bench_torch_serving.py \
+          --json /tmp/torch-serving.json >> "$OUT/bench.log" 2>&1
+        { echo; echo "== benchmarks/diagnostics/probe_foreign_await.py =="; } >> "$OUT/bench.log"
+        timeout 60 python3 benchmarks/diagnostics/probe_foreign_await.py --target cuda \
+          --json /tmp/probe-foreign.json >> "$OUT/bench.log" 2>&1
+      fi
+      python3 - "$OUT/extra.json" graphs=/tmp/graphs.json primitives_ab=/tmp/primitives-ab.json \
+        torch_serving=/tmp/torch-serving.json probe_foreign_await=/tmp/probe-foreign.json <<'PY'
 import json, os, sys
 extra = {}
 for arg in sys.argv[2:]:
