@@ -61,7 +61,7 @@ def check_png(path: Path) -> None:
 
 def test_examples_folder_has_the_scripts():
     names = {p.name for p in EXAMPLES.glob("*.py")}
-    assert {"server.py", "pipeline.py", "dag.py"} <= names
+    assert {"server.py", "pipeline.py", "dag.py", "ray_pipeline.py"} <= names
 
 
 def test_pipeline(tmp_path, api):
@@ -118,3 +118,23 @@ def test_server_writes_a_file_only_when_given_out(tmp_path, api):
     r = run_example("server.py", *args, cwd=tmp_path, api=api)
     assert json.loads(r.stdout)["verified"] is True
     assert list(tmp_path.iterdir()) == []  # nothing in the current folder
+
+
+def test_ray_pipeline_without_ray(tmp_path, api):
+    """The pipeline's stage classes driven directly (the GPU side without Ray)."""
+    out = tmp_path / "direct.json"
+    args = ["--direct", "--actors", "2", "--requests", "24", "--size", "4096", "--json", str(out)]
+    r = run_example("ray_pipeline.py", *args, cwd=tmp_path, api=api)
+    assert "all results match NumPy: OK" in r.stdout
+    res = json.loads(out.read_text())
+    assert (res["mode"], res["device"], res["requests"]) == ("direct", api, 24)
+
+
+def test_ray_pipeline_on_a_local_cluster(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install asyncgpu[ray])")
+    out = tmp_path / "ray.json"
+    args = ["--actors", "2", "--requests", "24", "--size", "4096", "--json", str(out)]
+    r = run_example("ray_pipeline.py", *args, cwd=tmp_path)
+    assert "all results match NumPy: OK" in r.stdout
+    res = json.loads(out.read_text())
+    assert (res["mode"], res["device"], res["actors"]) == ("ray", "cpu", 2)
