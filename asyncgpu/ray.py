@@ -26,13 +26,13 @@ without Ray, on the device ``default_api()`` picks.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 import numpy as np
 
 from . import DeviceBuffer, DeviceContext, default_api
+from ._config import read_cuda_visible_devices
 
 __all__ = ["GPUWorker", "assigned_device", "cuda_ordinal"]
 
@@ -89,7 +89,7 @@ def assigned_device() -> tuple[str, int]:
     ids = ray.get_gpu_ids()
     if not ids:
         return "cpu", 0
-    return "cuda", cuda_ordinal(ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return "cuda", cuda_ordinal(ids[0], read_cuda_visible_devices())
 
 
 class GPUWorker:

@@ -426,20 +426,24 @@ def test_an_actor_killed_mid_call_and_its_restart_policy():
                 await self.ctx
                 return os.getpid(), self.device()
 
+        def kill_mid_call(a):
+            # Kill a while a call awaits inside it; the error that call gets.
+            held = a.hold.remote()
+            ray.get(a.entered_hold.remote(), timeout=60)  # the call is inside the actor
+            ray.kill(a, no_restart=False)
+            try:
+                ray.get(held, timeout=60)
+            except ray.exceptions.RayActorError as e:
+                return e
+            raise SystemExit("the killed call returned")
+
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         a = Held.options(max_concurrency=4).remote()
         first = ray.get(a.pid.remote(), timeout=60)
-        held = a.hold.remote()
-        ray.get(a.entered_hold.remote(), timeout=60)  # the call is inside the actor
-        ray.kill(a, no_restart=False)
-        try:
-            ray.get(held, timeout=60)
-            raise SystemExit("the killed call returned")
-        except ray.exceptions.RayActorError as e:
-            print("killed call:", type(e).__name__)
+        print("killed call:", type(kill_mid_call(a)).__name__)
         second = ray.get(a.pid.remote(), timeout=60)  # restarted: a new process
         assert second[0] != first[0] and second[1] == ("cpu", 0), (first, second)
-        ray.kill(a, no_restart=False)  # no restarts left
+        print("last killed call:", type(kill_mid_call(a)).__name__)  # no restarts left
         try:
             ray.get(a.pid.remote(), timeout=60)
             raise SystemExit("a call on a dead actor returned")
@@ -450,4 +454,6 @@ def test_an_actor_killed_mid_call_and_its_restart_policy():
         """
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
-    assert "killed call: " in proc.stdout
+    # While a restart is coming the killed call's error says so (ActorUnavailableError,
+    # a RayActorError); with none left, ActorDiedError.
+    assert "last killed call: ActorDiedError" in proc.stdout
