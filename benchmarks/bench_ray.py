@@ -45,6 +45,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 
 import _harness as h  # noqa: E402
 import ray  # noqa: E402
+import ray.cloudpickle  # noqa: E402
 import ray_pipeline  # noqa: E402
 
 from asyncgpu import Kernel, ThreadBlock  # noqa: E402
@@ -148,6 +149,9 @@ def main() -> None:
     started = h.utc_now()
     t0 = time.perf_counter()
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    # The example's stage classes travel by value: Ray's workers do not have
+    # examples/ on their path.
+    ray.cloudpickle.register_pickle_by_value(ray_pipeline)
     results: dict[str, Any] = {}
     try:
         for size in sizes:

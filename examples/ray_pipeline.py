@@ -58,6 +58,8 @@ POLY = Kernel("poly", cuda=POLY_CUDA, cpu=poly_cpu)
 COEFFS = tuple(np.float32(c) for c in (0.25, -1.0, 0.5, 0.125))
 BINS = np.linspace(-4.0, 4.0, 33)
 BLOCK = 256
+#: How long the actors may take to start (a hung start fails instead of waiting).
+STARTUP_TIMEOUT_S = 120
 
 
 def make_batch(seed: int, size: int) -> np.ndarray:
@@ -135,13 +137,14 @@ def run_on_ray(actors: int, requests: int, size: int, inflight: int) -> dict[str
     """The pipeline on the Ray cluster this process is connected to."""
     import ray
 
-    gpus = ray.cluster_resources().get("GPU", 0)
-    num_gpus = 1 if gpus >= actors else 0
+    # One GPU per actor where the cluster has enough. (Naming num_gpus at all,
+    # even 0, makes Ray hold a CPU for the actor's whole life as well, which N
+    # actors on a small machine would not get, so it is named only when asked.)
+    gpu_opts: dict[str, Any] = {"max_concurrency": inflight}
+    if ray.cluster_resources().get("GPU", 0) >= actors:
+        gpu_opts["num_gpus"] = 1
     pre = [ray.remote(Preprocess).remote() for _ in range(actors)]
-    gpu = [
-        ray.remote(num_gpus=num_gpus, max_concurrency=inflight)(Transform).remote()
-        for _ in range(actors)
-    ]
+    gpu = [ray.remote(**gpu_opts)(Transform).remote() for _ in range(actors)]
     post = [ray.remote(Summarize).remote() for _ in range(actors)]
     device = "cpu"
     try:
@@ -150,7 +153,7 @@ def run_on_ray(actors: int, requests: int, size: int, inflight: int) -> dict[str
             post[i].run.remote(gpu[i].run.remote(pre[i].run.remote(requests + i, size)))
             for i in range(actors)
         ]
-        ray.get(warm)
+        ray.get(warm, timeout=STARTUP_TIMEOUT_S)
         device = ray.get(gpu[0].device.remote())[0]
 
         started: dict[Any, tuple[int, float]] = {}

@@ -163,6 +163,7 @@ async def test_the_worker_driven_directly_opens_on_first_use_and_closes(api):
     w = Scaler(api=api)
     assert w._ctx is None  # nothing opened at construction
     x = np.arange(1000, dtype=np.float32).reshape(10, 100)
+    x.flags.writeable = False  # as Ray hands arguments over from its object store
     y = await w.scale(x, 2.0)
     assert y.shape == (10, 100)
     np.testing.assert_array_equal(y, 2 * x)
