@@ -20,6 +20,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,7 +128,9 @@ class Scaler(GPUWorker):
         had = self._ctx is not None
         super().close()
         if self.marker is not None:
-            Path(self.marker).write_text(f"closed {had}")
+            tmp = Path(f"{self.marker}.tmp")
+            tmp.write_text(f"closed {had}")
+            tmp.replace(self.marker)
 
 
 # -- without Ray: the mapping and the worker driven directly (every device) -----------
@@ -264,18 +267,23 @@ def test_a_device_fault_fails_the_workers_pending_calls(api):
         from asyncgpu.ray import GPUWorker
 
         class Faulty(GPUWorker):
+            def prepare(self):
+                # Loaded before any kernel runs, as a real worker would at start.
+                self.trap_fn = self.ctx.compile_function(sys.argv[1], "trap")
+                self.spin_fn = self.ctx.compile_function(sys.argv[1], "spin")
+
             async def trap(self):
-                f = self.ctx.compile_function(sys.argv[1], "trap")
-                await self.ctx.enqueue_function(f, grid_dim=1, block_dim=1)
+                await self.ctx.enqueue_function(self.trap_fn, grid_dim=1, block_dim=1)
 
             async def work(self, i):
                 s = self.ctx.select_stream(i)
-                spin = self.ctx.compile_function(sys.argv[1], "spin")
                 khz = self.ctx.default_device_info.clock_rate_khz
-                await s.enqueue_function(spin, np.int64(khz * 2000), grid_dim=1, block_dim=1)
+                cycles = np.int64(khz * 2000)  # ~2 s: still running when the trap strikes
+                await s.enqueue_function(self.spin_fn, cycles, grid_dim=1, block_dim=1)
 
         async def main():
             w = Faulty(api="cuda", num_streams=4)
+            w.prepare()
             calls = [w.work(i) for i in range(1, 4)] + [w.trap()]
             res = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
             kinds = {type(r).__name__ for r in res}
@@ -310,6 +318,16 @@ def cluster():
 
 def get(ref):
     return ray.get(ref, timeout=CALL_TIMEOUT_S)
+
+
+def wait_for_text(path: Path) -> str:
+    """The text another process writes into ``path`` (written elsewhere and
+    renamed there, so it appears whole); fails after ``CALL_TIMEOUT_S``."""
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.01)
+    return path.read_text()
 
 
 @needs_ray
@@ -388,11 +406,11 @@ def test_a_graceful_end_closes_the_context(cluster, tmp_path):
     marker = tmp_path / "closed"
     actor = ray.remote(Scaler).remote(str(marker))
     get(actor.scale.remote(np.ones(8), 1.0))
-    # The actor runs __ray_shutdown__ (closing the context) before its process
-    # exits, and the caller learns of the exit after that.
     with pytest.raises(ray.exceptions.RayActorError):
         get(actor.__ray_terminate__.remote())
-    assert marker.read_text() == "closed True"
+    # Ray reports the exit to the caller and runs __ray_shutdown__ (which closes
+    # the context) in either order: wait for the actor's word, within a deadline.
+    assert wait_for_text(marker) == "closed True"
 
 
 @needs_ray
