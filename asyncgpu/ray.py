@@ -152,8 +152,8 @@ class GPUWorker:
     async def upload(self, array: Any) -> DeviceBuffer:
         """A new device buffer holding ``array``'s elements (flattened, C order), on
         the current stream: ``cuMemAllocAsync`` and ``cuMemcpyHtoDAsync``, awaited.
-        A read-only array (as Ray hands arguments over from its object store) is
-        read in place, without a copy on the host."""
+        A contiguous array, read-only too (as Ray hands arguments over from its
+        object store), is copied from as it is, with no host copy of its own."""
         a = np.ascontiguousarray(array)
         buf = self.ctx.enqueue_create_buffer(a.dtype, a.size)
         await self.ctx.enqueue_copy(buf, a.reshape(-1))
