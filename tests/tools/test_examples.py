@@ -130,6 +130,7 @@ def test_ray_pipeline_without_ray(tmp_path, api):
     assert (res["mode"], res["device"], res["requests"]) == ("direct", api, 24)
 
 
+@pytest.mark.ray
 def test_ray_pipeline_on_a_local_cluster(tmp_path):
     pytest.importorskip("ray", reason="Ray is not installed (pip install asyncgpu[ray])")
     out = tmp_path / "ray.json"

@@ -44,9 +44,11 @@ try:
 except ImportError:
     HAVE_RAY = False
 
-needs_ray = pytest.mark.skipif(
-    not HAVE_RAY, reason="Ray is not installed (pip install asyncgpu[ray]; CI installs it)"
-)
+
+def needs_ray(test):
+    """Marked ``ray`` (it starts a Ray cluster) and skipped without Ray."""
+    reason = "Ray is not installed (pip install asyncgpu[ray]; CI installs it)"
+    return pytest.mark.ray(pytest.mark.skipif(not HAVE_RAY, reason=reason)(test))
 
 
 def _scale_cpu(b: ThreadBlock, y: np.ndarray, x: np.ndarray, a: np.float32, n: np.int32) -> None:
