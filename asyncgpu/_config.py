@@ -36,6 +36,11 @@ ASYNCGPU_DISABLE_HEALTHCHECK  0                flag              1: no healthche
 CUDA_DEVICE_MAX_CONNECTIONS   8                1 to 32 (else 8)  the driver's own: hardware
                                                                  queues a device's streams
                                                                  share (read, never set)
+CUDA_VISIBLE_DEVICES          unset: every     the driver's      the driver's own: the GPUs
+                              GPU              list              it shows; ``asyncgpu.ray``
+                                                                 maps a Ray GPU id to a CUDA
+                                                                 ordinal through it (read,
+                                                                 never set; per worker)
 ============================  ===============  ================  ============================
 
 An unset or empty variable means its default. Values are stripped of
@@ -55,7 +60,8 @@ When they are read
 The three per-context defaults (``ASYNCGPU_API``, ``ASYNCGPU_NUM_STREAMS``,
 ``ASYNCGPU_TRACE``) are read, and checked, each time a context is made, through
 ``read_api``, ``read_num_streams`` and ``read_trace``: a program may change them
-between contexts.
+between contexts. ``CUDA_VISIBLE_DEVICES`` is read (``read_cuda_visible_devices``)
+each time an ``asyncgpu.ray`` worker opens its context, as Ray sets it per actor.
 
 All the others are settings of the process, read once, when this module is
 first imported (at ``import asyncgpu``), into ``SETTINGS``, a frozen
@@ -87,6 +93,7 @@ __all__ = [
     "read_cache_dir",
     "read_completion",
     "read_cpu_threads",
+    "read_cuda_visible_devices",
     "read_device_max_connections",
     "read_disable_healthcheck",
     "read_kernel_markers",
@@ -172,6 +179,12 @@ def read_trace(env: Env = os.environ) -> str | None:
     """``ASYNCGPU_TRACE``: where every new context writes its trace (at its
     close, or once it is freed if dropped), or None."""
     return _raw(env, "ASYNCGPU_TRACE") or None
+
+
+def read_cuda_visible_devices(env: Env = os.environ) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as the driver reads it, or None where unset or
+    empty. Never checked here: its ids are the driver's and Ray's to interpret."""
+    return _raw(env, "CUDA_VISIBLE_DEVICES").strip() or None
 
 
 # -- settings of the process: read once, into SETTINGS ----------------------------------

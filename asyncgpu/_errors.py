@@ -21,7 +21,23 @@ __all__ = [
 
 
 class AsyncGPUError(Exception):
-    """Base class of every error asyncgpu raises itself."""
+    """Base class of every error asyncgpu raises itself. Every one pickles with
+    its fields (``code``, ``name``, ``log``, ``check``), so that it reaches the
+    caller whole from another process (a process pool, a Ray actor)."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickle's default rebuilds an exception as cls(*args), which drops the
+        # keyword-only fields and fails where one is required.
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild(
+    cls: type[AsyncGPUError], args: tuple[object, ...], fields: dict[str, object]
+) -> AsyncGPUError:
+    e = cls.__new__(cls)
+    e.args = args
+    e.__dict__.update(fields)
+    return e
 
 
 class DeviceError(AsyncGPUError):

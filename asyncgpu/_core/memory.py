@@ -261,6 +261,19 @@ class _BufferBase(native.BufferCore):
         self._check()
         return self._ptr
 
+    def __reduce__(self) -> Any:
+        # Pickling is how process pools and Ray's object store carry values; a
+        # buffer is memory of this process's context, meaningless in another, so
+        # the refusal says what to send instead.
+        if self._kind == "host":
+            hint = "send its contents: h.as_numpy() (a view; pickling it copies the values)"
+        else:
+            hint = "copy it to the host first (ctx.enqueue_copy(array, buf), awaited)"
+        raise TypeError(
+            f"a {type(self).__name__} cannot be pickled (it is memory of this process's "
+            f"DeviceContext): {hint}"
+        )
+
     def _check(self) -> None:
         if self._ctx._state.closed:
             raise ContextClosedError(

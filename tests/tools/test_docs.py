@@ -116,7 +116,26 @@ def test_included_files_exist(block: Block):
     assert (REPO / m.group("path")).is_file(), f"{block.id} includes a missing file"
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.id)
+try:
+    import ray  # noqa: F401
+
+    HAVE_RAY = True
+except ImportError:
+    HAVE_RAY = False
+
+# Blocks that use Ray (docs/ray.md) are marked ``ray`` and need it installed.
+_USES_RAY = re.compile(r"^\s*(import ray\b|from ray\b)", re.MULTILINE)
+_RAY_MARKS = (
+    pytest.mark.ray,
+    pytest.mark.skipif(not HAVE_RAY, reason="Ray is not installed (pip install asyncgpu[ray])"),
+)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [pytest.param(b, marks=_RAY_MARKS if _USES_RAY.search(b.code) else ()) for b in RUNNABLE],
+    ids=lambda b: b.id,
+)
 def test_block_runs_on_the_cpu_device(block: Block, tmp_path: Path):
     script = tmp_path / "block.py"
     script.write_text(block.code, encoding="utf-8")

@@ -61,7 +61,7 @@ def check_png(path: Path) -> None:
 
 def test_examples_folder_has_the_scripts():
     names = {p.name for p in EXAMPLES.glob("*.py")}
-    assert {"server.py", "pipeline.py", "dag.py"} <= names
+    assert {"server.py", "pipeline.py", "dag.py", "ray_pipeline.py"} <= names
 
 
 def test_pipeline(tmp_path, api):
@@ -144,3 +144,24 @@ def test_torch_server(tmp_path):
     assert all(row["requests"] == 12 for row in saved["rows"])
     assert saved["gpu"] == torch.cuda.is_available()
     assert ("the strategies mean nothing without a GPU" in r.stdout) != saved["gpu"]
+
+
+def test_ray_pipeline_without_ray(tmp_path, api):
+    """The pipeline's stage classes driven directly (the GPU side without Ray)."""
+    out = tmp_path / "direct.json"
+    args = ["--direct", "--actors", "2", "--requests", "24", "--size", "4096", "--json", str(out)]
+    r = run_example("ray_pipeline.py", *args, cwd=tmp_path, api=api)
+    assert "all results match NumPy: OK" in r.stdout
+    res = json.loads(out.read_text())
+    assert (res["mode"], res["device"], res["requests"]) == ("direct", api, 24)
+
+
+@pytest.mark.ray
+def test_ray_pipeline_on_a_local_cluster(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install asyncgpu[ray])")
+    out = tmp_path / "ray.json"
+    args = ["--actors", "2", "--requests", "24", "--size", "4096", "--json", str(out)]
+    r = run_example("ray_pipeline.py", *args, cwd=tmp_path)
+    assert "all results match NumPy: OK" in r.stdout
+    res = json.loads(out.read_text())
+    assert (res["mode"], res["device"], res["actors"]) == ("ray", "cpu", 2)
