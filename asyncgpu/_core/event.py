@@ -36,6 +36,10 @@ from .pool import refuse_wait_from_own_work, waiting_for
 
 __all__ = ["DeviceEvent"]
 
+# The running loop or None, without raising: asyncio exports it (asyncio.events'
+# __all__) for event loops and their helpers, and uvloop calls it too. The
+# public get_running_loop raises where there is none (under trio), which would
+# cost each trio await an exception.
 _get_running_loop = asyncio._get_running_loop
 _log = logging.getLogger("asyncgpu")
 _get_ident = threading.get_ident
