@@ -35,6 +35,8 @@ import numpy as np
 from asyncgpu import Kernel, ThreadBlock
 from asyncgpu.ray import GPUWorker
 
+# pipeline.py's kernel, written out again: the script stands alone, and Ray's worker
+# processes get this module by value (a neighbouring example is not on their path).
 POLY_CUDA = r"""
 extern "C" __global__ void poly(const float* x, float* y, int n,
                                 float c0, float c1, float c2, float c3) {
