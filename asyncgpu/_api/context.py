@@ -429,7 +429,9 @@ class DeviceContext(native.ContextCore):
 
     def synchronize(self) -> None:
         """Block until all work enqueued on the current stream has completed
-        (``cuStreamSynchronize``)."""
+        (``cuStreamSynchronize``). A close on another thread that overtakes the
+        call after its open check makes it return (the close waited for the
+        work); it never reaches the destroyed stream."""
         self._check_open()
         self._impl.synchronize()
 
@@ -496,7 +498,8 @@ class DeviceContext(native.ContextCore):
     def create_buffer_sync(self, dtype: Any, size: int) -> DeviceBuffer:
         """Like ``enqueue_create_buffer``, then blocks until the allocation is done
         (``cuStreamSynchronize``); ``ContextClosedError`` if the context was
-        closed meanwhile."""
+        closed before the wait began (a close that overtakes the wait itself
+        leaves it returning the buffer, one of the closed context)."""
         buf = self.enqueue_create_buffer(dtype, size)
         self.synchronize()
         return buf

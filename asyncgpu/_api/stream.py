@@ -49,7 +49,8 @@ class DeviceStream:
 
     def synchronize(self) -> None:
         """Block until all work enqueued on this stream has completed
-        (``cuStreamSynchronize`` on CUDA)."""
+        (``cuStreamSynchronize`` on CUDA; returns, never reaching the destroyed
+        stream, if a close on another thread overtakes it)."""
         self._ctx._check_open()
         self._impl.synchronize()
 
