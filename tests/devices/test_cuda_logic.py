@@ -930,3 +930,19 @@ class _SeenWait(threading.Condition):
     def wait(self, timeout: float | None = None) -> bool:
         self.waiting.set()
         return super().wait(timeout)
+
+
+def test_work_whose_end_the_close_did_not_see_fails_at_the_close(closable) -> None:
+    """The close waits for a stream's work before releasing it; work still in
+    flight after that wait (one that failed without failing the stream) can
+    never be seen to end once the stream is gone, so the close fails it:
+    a blocking wait for it raises instead of polling for good."""
+    from asyncgpu import DeviceFaultError
+
+    s, t = closable
+    ev = s.fence()  # (its marker never passes: the counter stays at 0)
+    s.close()
+    assert ev._done and not s._inflight
+    with pytest.raises(DeviceFaultError, match="closed before its work ended"):
+        ev.synchronize()
+    assert t.calls == [("released", 0x5EA)]
