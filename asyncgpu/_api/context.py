@@ -55,7 +55,7 @@ from .._types import (
     StreamPriorityRange,
     check_int,
 )
-from .stream import DeviceStream
+from .stream import DeviceStream, await_stream
 
 __all__ = ["DeviceContext"]
 
@@ -226,7 +226,10 @@ class DeviceContext(native.ContextCore):
         await self.aclose()
 
     def __await__(self) -> Generator[Any, None, None]:
-        return self.stream().__await__()
+        """``await ctx``: wait, without blocking the loop, for the work enqueued on
+        the current stream so far: ``await ctx.stream()`` without making the
+        ``DeviceStream`` (``await_stream``, the same compiled event await)."""
+        return await_stream(self, self._impl)
 
     # -- facts -------------------------------------------------------------------------------
 
