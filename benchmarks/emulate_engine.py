@@ -132,6 +132,7 @@ def stream(index: int) -> Any:
     s._counter_in_c, s._kernel_event_markers = True, False
     s._write_marker = lambda seq: _accel.native.write64(s.h, s.caddr, seq)
     s._query_fault = lambda: None
+    s._handle_use = _stream._HandleUse()
     s._param_mem, s.label = {}, f"stub:0/s{index}"
     s.spare = _memory._SpareBuffers(_memory._SPARE_BYTES, _memory._SPARE_PER_SIZE)
     return s

@@ -112,11 +112,13 @@ def wrapped_stream(handle: int = 0x5EA) -> Any:
     from types import SimpleNamespace
 
     from asyncgpu._core.stream import _PolledStream
-    from asyncgpu._devices.cuda.stream import CudaStream
+    from asyncgpu._devices.cuda.stream import CudaStream, _HandleUse
 
     s = CudaStream.__new__(CudaStream)
-    _PolledStream.__init__(s, SimpleNamespace(api="cuda", device_id=0), 9, 0)
+    state = SimpleNamespace(api="cuda", device_id=0, describe=lambda: "cuda:0")
+    _PolledStream.__init__(s, state, 9, 0)
     s.owned = False
+    s._handle_use = _HandleUse()
     s._counter_mark = s._done_seq = 0
     s._events, s._after_copy = None, False
     s._copy_marks, s._free_events = deque(), []

@@ -55,7 +55,7 @@ from .._types import (
     StreamPriorityRange,
     check_int,
 )
-from .stream import DeviceStream
+from .stream import DeviceStream, await_stream
 
 __all__ = ["DeviceContext"]
 
@@ -226,7 +226,10 @@ class DeviceContext(native.ContextCore):
         await self.aclose()
 
     def __await__(self) -> Generator[Any, None, None]:
-        return self.stream().__await__()
+        """``await ctx``: wait, without blocking the loop, for the work enqueued on
+        the current stream so far: ``await ctx.stream()`` without making the
+        ``DeviceStream`` (``await_stream``, the same compiled event await)."""
+        return await_stream(self, self._impl)
 
     # -- facts -------------------------------------------------------------------------------
 
@@ -429,7 +432,9 @@ class DeviceContext(native.ContextCore):
 
     def synchronize(self) -> None:
         """Block until all work enqueued on the current stream has completed
-        (``cuStreamSynchronize``)."""
+        (``cuStreamSynchronize``). A close on another thread that overtakes the
+        call after its open check makes it return (the close waited for the
+        work); it never reaches the destroyed stream."""
         self._check_open()
         self._impl.synchronize()
 
@@ -496,7 +501,8 @@ class DeviceContext(native.ContextCore):
     def create_buffer_sync(self, dtype: Any, size: int) -> DeviceBuffer:
         """Like ``enqueue_create_buffer``, then blocks until the allocation is done
         (``cuStreamSynchronize``); ``ContextClosedError`` if the context was
-        closed meanwhile."""
+        closed before the wait began (a close that overtakes the wait itself
+        leaves it returning the buffer, one of the closed context)."""
         buf = self.enqueue_create_buffer(dtype, size)
         self.synchronize()
         return buf

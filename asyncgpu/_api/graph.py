@@ -33,7 +33,7 @@ from .._core.graph import (
     MemsetOp,
 )
 from .._core.memory import DeviceBuffer, HostBuffer, _BufferBase
-from .._core.ops import check_writable, copy_operands
+from .._core.ops import check_kernel_buffer, check_writable, copy_operands
 from .._errors import UnsupportedError
 from .._types import DimLike, FuncAttribute
 from .context import DeviceContext, _scalar_for
@@ -195,22 +195,14 @@ class DeviceGraphBuilder:
 # -- the checks of a node's operation, made when it is added and when it is updated ---------
 
 
-def _check_buffer(ctx: DeviceContext, b: _BufferBase) -> None:
-    """A buffer the graph will use: usable, and of the graph's context."""
-    b._check()
-    state = ctx._state
-    if b._ctx._state is not state:
-        raise ValueError(
-            f"this buffer belongs to another context ({b._ctx._state.describe()}); a graph "
-            f"uses only buffers of the context it is built for ({state.describe()})"
-        )
-
-
 def _kernel_buffers(ctx: DeviceContext, args: tuple[Any, ...]) -> list[_BufferBase]:
     """The buffers among a kernel node's arguments, every argument checked: the
     kinds ``enqueue_function`` takes (by ``kernel_arg_kind``), another library's
-    array excepted, and buffers of the graph's context. (The device checks the
-    count and sizes against the kernel when it makes or updates the node.)"""
+    array excepted, and buffers the graph's context may use in place, by the
+    rule of its launches (``check_kernel_buffer``: its own, another context's
+    of the same device, a peer's once peer access is enabled). (The device
+    checks the count and sizes against the kernel when it makes or updates the
+    node.)"""
     buffers = []
     for n, a in enumerate(args):
         kind = kernel_arg_kind(n, a)
@@ -221,20 +213,24 @@ def _kernel_buffers(ctx: DeviceContext, args: tuple[Any, ...]) -> list[_BufferBa
                 "a DeviceBuffer"
             )
         if kind == ARG_BUFFER:
-            _check_buffer(ctx, a)
+            check_kernel_buffer(ctx._state, a, f"kernel argument {n}")
             buffers.append(a)
     return buffers
 
 
 def _copy_op(ctx: DeviceContext, dst: Any, src: Any) -> CopyOp:
-    """A copy node's operation, checked as ``enqueue_copy`` checks two buffers."""
+    """A copy node's operation, checked as ``enqueue_copy`` checks two buffers,
+    each one a buffer the graph's device addresses (``check_kernel_buffer``, as
+    for kernel nodes): a driver graph's copy node cannot wait for another
+    device's stream, which ``enqueue_copy`` does for a CPU context's buffer in
+    a CUDA copy, and the rule is one for every node."""
     for x, name in ((dst, "dst"), (src, "src")):
         if not isinstance(x, (DeviceBuffer, HostBuffer)):
             raise TypeError(
                 f"a graph's copy: {name} must be a DeviceBuffer or HostBuffer (a graph copies "
                 f"between buffers; stage arrays through a HostBuffer), not {type(x).__name__}"
             )
-        _check_buffer(ctx, x)
+        check_kernel_buffer(ctx._state, x, f"a graph's copy: {name}")
     d, s, nbytes = copy_operands(ctx, dst, src, None, None)
     return CopyOp(d, s, nbytes)
 
@@ -246,7 +242,7 @@ def _memset_op(ctx: DeviceContext, buf: Any, value: Any) -> MemsetOp:
             f"a graph's memset sets a DeviceBuffer, not {type(buf).__name__} (fill a "
             "HostBuffer with add_cpu_function)"
         )
-    _check_buffer(ctx, buf)
+    check_kernel_buffer(ctx._state, buf, "a graph's memset")
     check_writable(buf)
     v = _scalar_for(buf._dtype, value)
     if buf._dtype.itemsize not in (1, 2, 4, 8):

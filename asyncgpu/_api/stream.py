@@ -11,7 +11,7 @@ from .._core.pool import refuse_wait_from_own_work
 from .._core.stream import _StreamImpl
 from .._errors import DeviceFaultError
 
-__all__ = ["DeviceStream"]
+__all__ = ["DeviceStream", "await_stream"]
 
 
 class _StreamContext(ContextView, Protocol):
@@ -28,6 +28,33 @@ class _StreamContext(ContextView, Protocol):
     # they come.)
     @property
     def enqueue_function(self) -> Callable[..., DeviceEvent]: ...
+
+
+def await_stream(ctx: _StreamContext, impl: _StreamImpl) -> Generator[Any, None, None]:
+    """``await stream`` and ``await ctx`` (the context's current stream), one
+    implementation: wait, without blocking the loop, for everything enqueued on
+    ``impl`` so far (its ``point()``), through that event's compiled await
+    (``DeviceEvent.__await__``: a marker, a brief inline spin, then the loop's
+    reactor on CUDA; a waiter of the event on the CPU device). A device fault
+    raises; the error of the stream's last operation itself (a CPU function's)
+    is that operation's, not the stream's. ``ContextClosedError`` once
+    ``ctx`` is closed; ``RuntimeError`` from a CPU function of the stream,
+    which would wait for itself."""
+    ctx._check_open()
+    ev = impl.point()
+    if ev is None or (ev._done and ev._error is None):
+        return
+    if not ev._done:
+        refuse_wait_from_own_work(impl, ev._seq)
+    try:
+        yield from ev.__await__()  # (the event's compiled await)
+    except DeviceFaultError:
+        raise
+    except Exception as e:
+        # The error of the stream's last operation itself (a CPU function's) is
+        # that operation's, not the stream's: the stream's work is done.
+        if e is not ev._error:
+            raise
 
 
 class DeviceStream:
@@ -49,7 +76,8 @@ class DeviceStream:
 
     def synchronize(self) -> None:
         """Block until all work enqueued on this stream has completed
-        (``cuStreamSynchronize`` on CUDA)."""
+        (``cuStreamSynchronize`` on CUDA; returns, never reaching the destroyed
+        stream, if a close on another thread overtakes it)."""
         self._ctx._check_open()
         self._impl.synchronize()
 
@@ -111,22 +139,7 @@ class DeviceStream:
         return (0, self._impl.handle())
 
     def __await__(self) -> Generator[Any, None, None]:
-        self._ctx._check_open()
-        impl = self._impl
-        ev = impl.point()
-        if ev is None or (ev._done and ev._error is None):
-            return
-        if not ev._done:
-            refuse_wait_from_own_work(impl, ev._seq)
-        try:
-            yield from ev.__await__()  # (the event's compiled await)
-        except DeviceFaultError:
-            raise
-        except Exception as e:
-            # The error of the stream's last operation itself (a CPU function's) is
-            # that operation's, not the stream's: the stream's work is done.
-            if e is not ev._error:
-                raise
+        return await_stream(self._ctx, self._impl)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, DeviceStream) and other._impl is self._impl

@@ -772,12 +772,103 @@ def test_a_build_that_raises_makes_no_graph(ctx: DeviceContext) -> None:
         DeviceGraph()
 
 
-def test_buffers_of_another_context_are_refused(ctx: DeviceContext, api: str) -> None:
+def test_buffers_of_another_context_of_the_device_are_used_in_place(
+    ctx: DeviceContext, api: str
+) -> None:
+    """A graph's kernel, memset and copy nodes take buffers as its context's
+    launches do (one rule, ``check_kernel_buffer``): another context of the
+    same device shares its memory, so its buffers are used in place, when the
+    node is added and when it is updated. Once that context is closed, its
+    buffers are ``ContextClosedError`` at the call."""
+    out = ctx.enqueue_create_host_buffer(np.int32, N)
+    got = np.empty(N, np.int32)
+    nodes: dict[str, DeviceGraphNode] = {}
     with DeviceContext(api=api) as other:
         y = other.enqueue_create_buffer(np.int32, N)
+        z = other.enqueue_create_buffer(np.int32, N)
+        other.synchronize()  # (the allocations are another stream's work)
 
         def build(b: DeviceGraphBuilder) -> None:
-            with pytest.raises(ValueError, match="another context"):
-                b.add_memset(y, 0)
+            nodes["set"] = b.add_memset(y, 4)
+            nodes["add"] = b.add_function(
+                ADD_ONE, y, np.int32(N), grid_dim=blocks_for(N), block_dim=256,
+                dependencies=[nodes["set"]],
+            )  # fmt: skip
+            nodes["copy"] = b.add_copy(out, y, dependencies=[nodes["add"]])
 
-        DeviceGraph.create(ctx, build)
+        graph = DeviceGraph.create(ctx, build)
+        graph.replay().synchronize()
+        assert (out.as_numpy() == 5).all()
+        graph.update(nodes["set"], buf=z, value=9)
+        graph.update(nodes["add"], z, np.int32(N))
+        graph.update(nodes["copy"], src=z)
+        graph.replay().synchronize()
+        assert (out.as_numpy() == 10).all()
+        other.enqueue_copy(got, z).synchronize()
+        assert (got == 10).all()
+
+    def add(b: DeviceGraphBuilder) -> None:
+        for use in (
+            lambda: b.add_memset(y, 0),
+            lambda: b.add_function(ADD_ONE, y, np.int32(N), grid_dim=1, block_dim=256),
+            lambda: b.add_copy(out, y),
+        ):
+            with pytest.raises(ContextClosedError, match="closed context"):
+                use()
+
+    assert DeviceGraph.create(ctx, add).num_nodes() == 0
+    with pytest.raises(ContextClosedError, match="closed context"):
+        graph.update(nodes["add"], y, np.int32(N))
+
+
+def test_buffers_another_device_does_not_address_are_refused_by_every_node() -> None:
+    """Without a GPU: a second CPU context whose ``api`` is renamed stands in
+    for another device, as in the kernel tests. Its buffers in a kernel,
+    memset or copy node, added or updated, are the launches' ``ValueError``
+    naming both contexts, and the graph is left as it was. (A copy node takes
+    no other device's buffer, even where ``enqueue_copy`` would: a driver
+    graph's copy cannot wait for another device's stream.)"""
+    with DeviceContext(api="cpu") as cpu, DeviceContext(api="cpu") as other:
+        mine = cpu.enqueue_create_buffer(np.int32, N)
+        spare = cpu.enqueue_create_buffer(np.int32, N)
+        theirs = other.enqueue_create_buffer(np.int32, N)
+        nodes: dict[str, DeviceGraphNode] = {}
+
+        def build(b: DeviceGraphBuilder) -> None:
+            nodes["set"] = b.add_memset(mine, 1)
+            nodes["add"] = b.add_function(
+                ADD_ONE, mine, np.int32(N), grid_dim=blocks_for(N), block_dim=256,
+                dependencies=[nodes["set"]],
+            )  # fmt: skip
+            nodes["copy"] = b.add_copy(spare, mine, dependencies=[nodes["add"]])
+
+        graph = DeviceGraph.create(cpu, build)
+
+        def refused(b: DeviceGraphBuilder) -> None:
+            for name, use in (
+                ("a graph's memset", lambda: b.add_memset(theirs, 0)),
+                ("kernel argument 0", lambda: b.add_function(
+                    ADD_ONE, theirs, np.int32(N), grid_dim=1, block_dim=256
+                )),
+                ("a graph's copy: src", lambda: b.add_copy(mine, theirs)),
+                ("a graph's copy: dst", lambda: b.add_copy(theirs, mine)),
+                ("a graph's memset", lambda: graph.update(nodes["set"], buf=theirs, value=0)),
+                ("kernel argument 0", lambda: graph.update(nodes["add"], theirs, np.int32(N))),
+                ("a graph's copy: dst", lambda: graph.update(nodes["copy"], dst=theirs)),
+            ):  # fmt: skip
+                with pytest.raises(
+                    ValueError,
+                    match=rf"{name}: a DeviceBuffer of the other:0 context cannot be used "
+                    r"by the cpu:0 context.*enqueue_copy",
+                ):
+                    use()
+
+        other._state.api = "other"
+        try:
+            assert DeviceGraph.create(cpu, refused).num_nodes() == 0
+        finally:
+            other._state.api = "cpu"
+        graph.replay().synchronize()  # as it was: mine set, added to, copied
+        got = np.empty(N, np.int32)
+        cpu.enqueue_copy(got, spare).synchronize()
+        assert (got == 2).all()

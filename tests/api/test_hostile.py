@@ -621,6 +621,68 @@ def test_a_host_allocation_overlapping_close_is_refused_and_given_back(
     assert len(outcome) == 1 and isinstance(outcome[0], ContextClosedError)
 
 
+@pytest.mark.parametrize("wait", ["ctx.synchronize", "stream.synchronize", "await ctx"])
+def test_a_wait_that_a_close_overtakes_returns_and_touches_no_destroyed_stream(
+    ctx: Any, monkeypatch: pytest.MonkeyPatch, wait: str
+) -> None:
+    """A blocking or awaited wait for the current stream is held up after the
+    context's open check, before it reaches the stream (here where it first
+    asks for the stream's last operation) while another thread closes the
+    context; the close does not wait for it (it is not yet in the driver),
+    waits for the work and, on CUDA, destroys the stream. The wait then
+    returns, as it would have before the close (the work is done), and calls
+    nothing on the destroyed stream (on CUDA an error of
+    ``cuStreamSynchronize``, or worse, otherwise)."""
+    import asyncio
+    import threading
+
+    impl = ctx._impl
+    stream = ctx.stream()
+    waiter_started = threading.Event()
+    asking, go = threading.Event(), threading.Event()
+    real_tail = type(impl).tail
+    held: list[int] = []
+
+    def tail(self: Any) -> Any:
+        mine = self is impl and waiter_started.is_set() and not held
+        if mine and threading.get_ident() == waiter.ident:
+            held.append(1)
+            asking.set()
+            assert go.wait(30)
+        return real_tail(self)
+
+    monkeypatch.setattr(type(impl), "tail", tail)
+    ctx.enqueue_cpu_function(int)  # (work for the close to wait for)
+
+    async def await_ctx() -> None:
+        await ctx
+
+    calls = {
+        "ctx.synchronize": ctx.synchronize,
+        "stream.synchronize": stream.synchronize,
+        "await ctx": lambda: asyncio.run(await_ctx()),
+    }
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(calls[wait]())
+        except BaseException as e:
+            outcome.append(e)
+
+    waiter = threading.Thread(target=run, daemon=True)
+    waiter_started.set()
+    waiter.start()
+    assert asking.wait(30)
+    closer = threading.Thread(target=ctx.close, daemon=True)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive()
+    go.set()
+    waiter.join(30)
+    assert outcome == [None]
+
+
 def test_allocations_racing_close_return_a_buffer_or_are_refused(api: str) -> None:
     """Two threads allocate device and host buffers as fast as they can while
     the main thread closes the context, many times over: each allocation

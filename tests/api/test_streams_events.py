@@ -286,19 +286,26 @@ async def test_await_event_stream_and_context(ctx: DeviceContext, gate) -> None:
 
 
 @pytest.mark.asyncio
-async def test_await_of_a_stream_is_not_its_last_operations_error(ctx: DeviceContext, gate) -> None:
+@pytest.mark.parametrize("form", ["stream", "context", "view"])
+async def test_await_of_a_stream_is_not_its_last_operations_error(
+    ctx: DeviceContext, gate, form: str
+) -> None:
     """A CPU function's exception belongs to its event: awaiting the stream it
-    ran on waits for it (pending or done) and returns, and its event raises."""
+    ran on (``await stream``, ``await ctx`` or ``await`` a view bound to that
+    stream: one implementation) waits for it (pending or done) and returns,
+    and its event raises."""
+    view = ctx.select_stream(2)
 
     def boom() -> None:
         raise ValueError("boom")
 
     for pending in (True, False):
         g = gate()
-        ctx.enqueue_cpu_function(g)
-        failed = ctx.enqueue_cpu_function(boom)
+        view.enqueue_cpu_function(g)
+        failed = view.enqueue_cpu_function(boom)
+        awaited = {"stream": view.stream(), "context": view, "view": ctx.select_stream(2)}[form]
         if pending:
-            task = asyncio.create_task(_await(ctx.stream()))
+            task = asyncio.create_task(_await(awaited))
             await asyncio.sleep(0)
             assert not task.done()
             g.open()
@@ -307,10 +314,60 @@ async def test_await_of_a_stream_is_not_its_last_operations_error(ctx: DeviceCon
             g.open()
             with pytest.raises(ValueError, match="boom"):
                 await asyncio.wait_for(_await(failed), TIMEOUT_S)
-            await ctx.stream()  # done, with the error: returns at once
+            await awaited  # done, with the error: returns at once
         assert failed.query()
         with pytest.raises(ValueError, match="boom"):
             await failed
+
+
+@pytest.mark.asyncio
+async def test_awaiting_a_context_waits_for_its_current_stream_alone(
+    ctx: DeviceContext, gate
+) -> None:
+    """``await view`` waits for the work enqueued on the view's current stream
+    when the await began: not for work enqueued there after, nor for other
+    streams' held work."""
+    g, after, elsewhere = gate(), gate(), gate()
+    held_elsewhere = ctx.select_stream(1).enqueue_cpu_function(elsewhere)
+    view = ctx.select_stream(3)
+    held = view.enqueue_cpu_function(g)
+    task = asyncio.create_task(_await(view))
+    await asyncio.sleep(0)  # (the await has begun: its point is taken)
+    assert not task.done()
+    later = view.enqueue_cpu_function(after)
+    try:
+        g.open()
+        await asyncio.wait_for(task, TIMEOUT_S)
+        assert held.query()
+        assert not later.query() and not held_elsewhere.query()
+        await asyncio.wait_for(_await(ctx), TIMEOUT_S)  # stream 0: idle
+    finally:
+        after.open()
+        elsewhere.open()
+    await asyncio.wait_for(_await(view), TIMEOUT_S)
+    assert later.query()
+
+
+@pytest.mark.asyncio
+async def test_awaiting_a_context_takes_the_events_compiled_await(
+    ctx: DeviceContext, gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``await ctx`` waits as ``await stream`` does, through its point's own
+    await (``DeviceEvent.__await__``, in C), not the Python wait of
+    ``_wait_async`` with a separate fault check."""
+
+    def python_wait(self):  # pragma: no cover (must not be called)
+        raise AssertionError("await ctx took the Python wait")
+
+    monkeypatch.setattr(DeviceEvent, "_wait_async", python_wait)
+    g = gate()
+    held = ctx.enqueue_cpu_function(g)
+    task = asyncio.create_task(_await(ctx))
+    await asyncio.sleep(0)
+    assert not task.done()
+    g.open()
+    await asyncio.wait_for(task, TIMEOUT_S)
+    assert held.query()
 
 
 async def _await(awaitable) -> None:

@@ -818,3 +818,131 @@ def test_the_handle_of_another_librarys_stream_is_read_without_a_driver_call(obj
 def test_a_stream_that_is_not_one_is_a_type_error_at_the_wrap() -> None:
     with pytest.raises(TypeError, match="create_external_stream takes a CUstream"):
         _backend.CudaBackend.external_handle(None, object())
+
+
+# -- a close racing threads that use the stream's handle ------------------------------------
+
+
+@pytest.fixture
+def closable(wrapped):
+    """The wrapped stand-in stream, closable: its release (``cuStreamDestroy`` on
+    a stream it owns) recorded in ``calls``, as are the driver calls on its
+    handle (``cuStreamSynchronize``, ``cuStreamQuery``); ``hold`` makes the
+    next ``cuStreamSynchronize`` wait, inside the driver, until ``go`` is set."""
+    import weakref
+    from types import SimpleNamespace
+
+    s, driver, _ = wrapped
+    calls: list[tuple[str, int]] = []
+    t = SimpleNamespace(calls=calls, hold=False, inside=threading.Event(), go=threading.Event())
+
+    def synchronize(stream):
+        calls.append(("cuStreamSynchronize", stream))
+        if t.hold:
+            t.hold = False
+            t.inside.set()
+            assert t.go.wait(30)
+        return (_driver._SUCCESS,)
+
+    driver.cuStreamSynchronize = synchronize
+    driver.cuStreamQuery = lambda stream: (
+        calls.append(("cuStreamQuery", stream)) or (_driver._SUCCESS,)
+    )
+    s._free_spare = weakref.finalize(s, int)
+    s._release = lambda: calls.append(("released", s.raw))
+    yield s, t
+
+
+def _in_thread(fn):
+    """Run ``fn`` on a daemon thread; returns the thread and its outcome list (its
+    value or the exception it raised)."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, out
+
+
+def test_a_close_that_overtakes_a_synchronize_leaves_it_no_driver_call(closable) -> None:
+    """A ``synchronize()`` held up after the context's open check, before its
+    ``cuStreamSynchronize`` (here in ``_settle``), while another thread closes
+    the stream: the close does not wait for it (it is not in the driver), and
+    once the stream is released the synchronize makes no call on the
+    destroyed handle and returns, as it would have before the close (which
+    waited for the work). Fault checks of the closed stream (an await's, the
+    watcher's) make no call either."""
+    s, t = closable
+    settling, go = threading.Event(), threading.Event()
+
+    def held_settle() -> None:
+        settling.set()
+        assert go.wait(30)
+
+    s._settle = held_settle
+    syncer, out = _in_thread(s.synchronize)
+    assert settling.wait(30)
+    s.close()  # (on this thread: it waits for nobody)
+    assert t.calls == [("released", 0x5EA)]
+    go.set()
+    syncer.join(30)
+    assert out == [None]
+    assert s._query_fault() is None
+    assert t.calls == [("released", 0x5EA)]  # no driver call after the release
+
+
+def test_a_close_waits_for_a_synchronize_inside_the_driver_before_releasing(
+    closable,
+) -> None:
+    """A ``synchronize()`` inside ``cuStreamSynchronize`` when another thread
+    closes the stream: the close releases the stream (``cuStreamDestroy``) only
+    once that call has returned, and lets no new call in meanwhile."""
+    s, t = closable
+    t.hold = True
+    use = s._handle_use
+    use._cond = seen = _SeenWait()
+    syncer, out = _in_thread(s.synchronize)
+    assert t.inside.wait(30)
+    closer, closed = _in_thread(s.close)
+    assert seen.waiting.wait(30)  # the close waits for the handle's users...
+    assert t.calls == [("cuStreamSynchronize", 0x5EA)]  # ...and released nothing
+    assert not use.enter()  # nor lets a new call in
+    t.go.set()
+    syncer.join(30)
+    closer.join(30)
+    assert out == [None] and closed == [None]
+    assert t.calls == [("cuStreamSynchronize", 0x5EA), ("released", 0x5EA)]
+
+
+class _SeenWait(threading.Condition):
+    """The condition of a stream's ``_HandleUse``, saying when a close waits on it
+    (the use has ended then: no thread gets in any more)."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def test_work_whose_end_the_close_did_not_see_fails_at_the_close(closable) -> None:
+    """The close waits for a stream's work before releasing it; work still in
+    flight after that wait (one that failed without failing the stream) can
+    never be seen to end once the stream is gone, so the close fails it:
+    a blocking wait for it raises instead of polling for good."""
+    from asyncgpu import DeviceFaultError
+
+    s, t = closable
+    ev = s.fence()  # (its marker never passes: the counter stays at 0)
+    s.close()
+    assert ev._done and not s._inflight
+    with pytest.raises(DeviceFaultError, match="closed before its work ended"):
+        ev.synchronize()
+    assert t.calls == [("released", 0x5EA)]

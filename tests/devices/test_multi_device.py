@@ -144,6 +144,44 @@ def test_a_peer_buffer_in_a_kernel_or_memset_needs_peer_access_enabled_first() -
 
 @pytest.mark.gpu
 @needs_two_gpus
+def test_a_graph_takes_a_peer_buffer_once_peer_access_is_enabled() -> None:
+    """A graph's kernel and memset nodes take another GPU's buffer by the
+    launches' rule: a ``ValueError`` until this device has enabled peer access
+    to it, then used in place at every replay. (Skips the refusal where an
+    earlier test of the process has enabled it already.)"""
+    from asyncgpu._devices.cuda.backend import _peer_enabled
+
+    d0, d1 = DeviceContext(0, api="cuda"), DeviceContext(1, api="cuda")
+    try:
+        x0 = d0.enqueue_create_buffer(np.int32, N)
+        d0.enqueue_memset(x0, 0).synchronize()
+
+        def build(b: ag.DeviceGraphBuilder) -> None:
+            s = b.add_memset(x0, 7)
+            b.add_function(
+                ADD_ONE, x0, np.int32(N), grid_dim=N // 256, block_dim=256, dependencies=[s]
+            )
+
+        if (1, 0) not in _peer_enabled:
+            with pytest.raises(ValueError, match="enable peer access first"):
+                ag.DeviceGraph.create(d1, build)
+        if not d1.can_access(d0):
+            pytest.skip("these GPUs cannot reach each other's memory")
+        d1.enable_peer_access(d0)
+        graph = ag.DeviceGraph.create(d1, build)
+        for _ in range(2):
+            graph.replay()
+        d0.enqueue_wait_for(d1)
+        out = np.full(N, -1, np.int32)
+        d0.enqueue_copy(out, x0).synchronize()
+        np.testing.assert_array_equal(out, np.full(N, 8, np.int32))
+    finally:
+        d0.close()
+        d1.close()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
 def test_kernel_on_one_device_reads_a_peer_buffer(rng) -> None:
     d0, d1 = DeviceContext(0, api="cuda"), DeviceContext(1, api="cuda")
     try:

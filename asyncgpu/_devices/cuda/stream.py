@@ -24,7 +24,9 @@ device's hardware queues (``_join_queues``) and destroyed at ``close``
 destroyed). Only
 ``synchronize`` and a blocking wait for an event (``_block``) wait in the
 driver (``cuStreamSynchronize``, ``cuEventSynchronize``); the other driver
-calls here enqueue and return.
+calls here enqueue and return. A call on the stream's handle from a thread
+that may race with ``close`` (a wait, a fault check) goes through
+``_HandleUse``, which the close waits on before it destroys the stream.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from ..._core.function import DeviceFunction
 from ..._core.memory import HostBuffer
 from ..._core.pool import cpu_pool, fan_out, host_work, range_work, start_chained, waiting_for
 from ..._core.stream import _Gate, _HardwareQueues, _HostResult, _PolledStream, _StreamImpl
-from ..._errors import DeviceFaultError, UnsupportedError
+from ..._errors import ContextClosedError, DeviceFaultError, UnsupportedError
 from .driver import (
     _GEQ,
     _NOT_READY,
@@ -153,6 +155,52 @@ def _leave_queues(q: _HardwareQueues, stream: CudaStream) -> None:
         q.solo = len(q.streams) <= q.limit
 
 
+class _HandleUse:
+    """The threads inside a driver call on one stream's handle
+    (``cuStreamSynchronize``, which blocks until the stream's work is done, and
+    ``cuStreamQuery``), counted so that the stream's close destroys the handle
+    only once they have left, and lets none in from then on (``end``).
+
+    A thread may pass the context's open check (``synchronize()``,
+    ``create_buffer_sync``, an event's ``synchronize()``, the fault checks of
+    an await) just before another thread closes the context, and reach its
+    driver call only after. Through ``enter`` it either gets in before the
+    close ends the handle's use, and the close waits for it (not for long: the
+    close has already waited for the stream's work, and no new work goes in),
+    or finds the use ended and makes no call: the stream's work is done, since
+    the close waited for it. Only the driver call itself is inside: a done
+    callback that retiring runs may close the context, and the close must not
+    wait for the thread that runs it."""
+
+    __slots__ = ("_cond", "_inside", "ended")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0
+        self.ended = False
+
+    def enter(self) -> bool:
+        """Count the calling thread in (False, and nothing counted: ended)."""
+        with self._cond:
+            if self.ended:
+                return False
+            self._inside += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._inside -= 1
+            if not self._inside:
+                self._cond.notify_all()
+
+    def end(self) -> None:
+        """Let no thread in from now on, and block until those inside have left."""
+        with self._cond:
+            self.ended = True
+            while self._inside:
+                self._cond.wait()
+
+
 class CudaStream(_PolledStream):
     """A CUDA stream with a completion counter and a host-work counter."""
 
@@ -217,6 +265,7 @@ class CudaStream(_PolledStream):
         )
         self.external_owner = external_owner
         self.is_closed = False
+        self._handle_use = _HandleUse()
         self.label = f"cuda:{state.device_id}/s{index}"
         self.spare = _SpareBuffers(_SPARE_BYTES, _SPARE_PER_SIZE)
         # Kept buffers are freed on this stream while it lives: at close, or at
@@ -816,25 +865,43 @@ class CudaStream(_PolledStream):
             # The stream's last operation: block in the driver, which wakes as soon
             # as the stream drains (polling with back-off would notice late).
             self._need(ev, eager=False)
-            err = cu.cuStreamSynchronize(self.raw)[0]
-            if err != _SUCCESS:
-                self._raise_fault(err, "cuStreamSynchronize")
-            self._retire()
+            err = self._on_handle(cu.cuStreamSynchronize)
+            if err is not None:  # (None: closed meanwhile, its work done)
+                if err != _SUCCESS:
+                    self._raise_fault(err, "cuStreamSynchronize")
+                self._retire()
             if ev._done:
                 return
         super()._block(ev)
 
     def synchronize(self) -> None:
+        """Block until the stream's work is done (``cuStreamSynchronize``, after
+        held work has been handed to the driver). A close on another thread that
+        overtakes this call before the driver call makes it return as if it had
+        come first (the close waited for the work), never call the driver on the
+        destroyed stream (``_HandleUse``)."""
         with waiting_for(self):
             self._settle()  # cuStreamSynchronize sees only what the driver was given
             tail = self.tail()
             if tail is not None:
                 self._need(tail, eager=False)
-            err = cu.cuStreamSynchronize(self.raw)[0]
-            if err != _SUCCESS:
+            err = self._on_handle(cu.cuStreamSynchronize)
+            if err is not None and err != _SUCCESS:
                 self._raise_fault(err, "cuStreamSynchronize")
             # Host work may still be finishing its completion write: let it land.
             super().synchronize()
+
+    def _on_handle(self, call: Callable[[Any], tuple[Any, ...]]) -> Any:
+        """``call(handle)``'s error code (a driver call on this stream's handle),
+        or None, and no call, once the stream's close has begun destroying it; the
+        close waits for the call to return (``_HandleUse``)."""
+        use = self._handle_use
+        if not use.enter():
+            return None
+        try:
+            return call(self.raw)[0]
+        finally:
+            use.leave()
 
     def _raise_fault(self, err: Any, what: str) -> None:
         e = _error(err, what)
@@ -843,8 +910,8 @@ class CudaStream(_PolledStream):
         raise e
 
     def _query_fault(self) -> BaseException | None:
-        err = cu.cuStreamQuery(self.raw)[0]
-        if err in (_SUCCESS, _NOT_READY):
+        err = self._on_handle(cu.cuStreamQuery)  # (None: closed; its work was waited for)
+        if err is None or err in (_SUCCESS, _NOT_READY):
             return None
         e = _error(err, f"work on {self.label}")
         return (
@@ -861,12 +928,29 @@ class CudaStream(_PolledStream):
         )
 
     def close(self) -> None:
+        """Give back what the driver gave the stream (``_release_stream``:
+        ``cuStreamDestroy`` where it owns the stream), once the threads inside a
+        driver call on its handle have left; none enters after (``_HandleUse``).
+        The context's close calls it after it has waited for the stream's work,
+        so those calls return promptly. The release holds the submission lock, so
+        a marker being placed (an await's, the watcher's) reaches the driver
+        before the stream goes; one placed after finds its operation done and
+        places nothing."""
         watcher.forget(self)
         self._free_spare.detach()
         self.is_closed = True
         if self.owned:
             _leave_queues(self._queues, self)
-        self._release()
+        if self._inflight:
+            self._retire()  # (while the counter is still this stream's)
+        self._handle_use.end()
+        with self._submit_lock:
+            self._release()
+        if self._inflight:
+            # Work whose end the close's wait did not see (that wait failed
+            # without failing the stream): nothing can learn it any more, so it
+            # fails now rather than leave a blocking wait polling for good.
+            self._fail(ContextClosedError(f"{self.label} was closed before its work ended"))
 
 
 def _release_stream(
