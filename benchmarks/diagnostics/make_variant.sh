@@ -3,9 +3,10 @@
 # archive), with that branch's C extension as its worktree built it.
 #   bash benchmarks/diagnostics/make_variant.sh [BRANCH] [PATH/TO/_native.abi3.so]
 # Without a .so path, the one in the branch's git worktree is taken, if that worktree's
-# _native.c is the branch's committed one and the .so is newer than it (build it there
-# with `python setup.py build_ext --inplace -q`, as this checkout's own is built, so that
-# both builds are compiled alike). .variant/REVISION records the branch's commit.
+# _native.c is the branch's committed one and the .so is newer than it. Build both the way
+# pip builds them, so that they are compiled alike: here `pip install -e .`; in the
+# branch's worktree `pip wheel --no-deps . -w DIR` and the .so unzipped from the wheel
+# into its asyncgpu/. .variant/REVISION records the branch's commit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 branch=${1:-cpython-prims}
