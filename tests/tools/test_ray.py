@@ -463,21 +463,40 @@ def test_an_actor_computes_on_its_own_device_and_loop(cluster):
         ray.kill(actor)
 
 
+def rdt_actor_options(transport: str) -> dict:
+    """The actor options of a transport's end-to-end case, or a skip saying what
+    the machine lacks: Gloo carries CPU tensors (CPU-device actors), NCCL CUDA
+    tensors between GPU actors (one GPU each)."""
+    torch = pytest.importorskip("torch")
+    if transport == "gloo":
+        return {}
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL between two GPU actors needs PyTorch with CUDA and two GPUs")
+    from ray.util.collective import nccl_available
+
+    if not nccl_available():
+        pytest.skip("Ray's NCCL backend needs CuPy (pip install cupy-cuda12x)")
+    return {"num_gpus": 1}
+
+
 @needs_ray
-def test_a_buffer_travels_to_another_actor_by_ray_direct_transport(cluster):
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+def test_a_buffer_travels_to_another_actor_by_ray_direct_transport(cluster, transport):
     """Actor A computes into a buffer and returns it as a tensor through Ray Direct
-    Transport (Gloo: CPU tensors, actor to actor, no object store); actor B wraps
-    the tensor it receives as a buffer and runs a kernel on it. A's buffer lives
-    while Ray holds the tensor, after A dropped it, and goes once the ref does."""
-    pytest.importorskip("torch")
+    Transport (actor to actor, no object store); actor B wraps the tensor it
+    receives as a buffer and runs a kernel on it. A's buffer lives while Ray holds
+    the tensor, after A dropped it, and goes once the ref does."""
+    options = rdt_actor_options(transport)
     from ray.experimental.collective import create_collective_group, destroy_collective_group
 
-    rdt = ray.remote(enable_tensor_transport=True)(Scaler)
+    rdt = ray.remote(enable_tensor_transport=True)(Scaler).options(**options)
     a, b = rdt.remote(), rdt.remote()
-    group = create_collective_group([a, b], backend="gloo")
+    group = create_collective_group([a, b], backend=transport)
     try:
+        if transport == "nccl":  # each actor on its own GPU, the tensors CUDA ones
+            assert get(a.device.remote()) == get(b.device.remote()) == ("cuda", 0)
         x = np.arange(4096, dtype=np.float32).reshape(64, 64)
-        ref = a.scaled_tensor.options(tensor_transport="gloo").remote(x, 2.0)
+        ref = a.scaled_tensor.options(tensor_transport=transport).remote(x, 2.0)
         np.testing.assert_array_equal(get(b.scale_tensor.remote(ref, 3.0)), 6 * x)
         assert get(a.handed_over_alive.remote())  # Ray's store holds the tensor, it the buffer
         del ref
