@@ -26,13 +26,16 @@ without Ray, on the device ``default_api()`` picks.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
 import numpy as np
 
 from . import DeviceBuffer, DeviceContext, default_api
+from . import from_dlpack as _from_dlpack
 from ._config import read_cuda_visible_devices
+from ._core.dlpack import kDLCPU, kDLCUDA
 
 __all__ = ["GPUWorker", "assigned_device", "cuda_ordinal"]
 
@@ -167,6 +170,77 @@ class GPUWorker:
         out = np.empty(len(buf), buf.dtype)
         await self.ctx.enqueue_copy(out, buf)
         return out if shape is None else out.reshape(shape)
+
+    async def to_tensor(self, buf: DeviceBuffer, shape: Any = None) -> Any:
+        """A ``torch.Tensor`` over ``buf``'s memory, no copy (``torch.from_dlpack``),
+        of ``shape`` if given (else 1-D): what an actor method returns for Ray
+        Direct Transport to carry (``@ray.method(tensor_transport="nccl")`` for a
+        CUDA buffer, ``"gloo"`` for one of the CPU device), or what it passes to
+        ``ray.put(tensor, _tensor_transport=...)``.
+
+        Ordered: first awaits everything enqueued so far on ``buf``'s owning
+        stream (its writes there, and copies into it from other streams; a kernel
+        on another stream is ordered by the caller, as for any read). Ray's
+        transports read the tensor on streams DLPack's stream argument does not
+        name (NCCL's own) or outside any stream (Gloo, on the host), so the
+        tensor is made complete before Ray sees it, at the cost of one wait.
+        (On CUDA, ``torch.from_dlpack`` also orders PyTorch's current stream
+        after the buffer's, by DLPack's stream rule.)
+
+        Kept alive: the tensor holds ``buf`` (its DLPack capsule's deleter lets
+        it go), and Ray's RDT store holds the tensor until every ``ObjectRef`` to
+        it is gone, so the buffer lives until then even after the worker drops
+        it; its memory then goes back to the pool on its owning stream, after
+        PyTorch's current stream (CUDA). Ray sends the tensor, not a copy of it:
+        do not write ``buf`` again before then
+        (``ray.experimental.wait_tensor_freed(tensor)`` blocks until it is).
+
+        ``TypeError`` for anything but a ``DeviceBuffer``; ``ImportError``
+        without PyTorch."""
+        if not isinstance(buf, DeviceBuffer):
+            raise TypeError(f"to_tensor takes a DeviceBuffer, not {type(buf).__name__}")
+        torch = importlib.import_module("torch")  # (only the hand-offs need it)
+        await buf.context()
+        t = torch.from_dlpack(buf)
+        return t if shape is None else t.reshape(shape)
+
+    def from_tensor(self, tensor: Any) -> DeviceBuffer:
+        """The memory of ``tensor`` (one Ray Direct Transport delivered to this
+        actor, or any array with ``__dlpack__`` on the worker's device) as a 1-D
+        ``DeviceBuffer`` of the worker's context, no copy
+        (``asyncgpu.from_dlpack(tensor, self.ctx)``).
+
+        Ordered: the buffer is owned by the context's current stream, which
+        ``tensor.__dlpack__(stream=...)`` makes wait, on the device, for
+        PyTorch's current stream of the tensor's device (CUDA): the stream that
+        CUDA IPC's receive waits on, and PyTorch's default one, the legacy
+        default stream, that implicitly follows the legacy or blocking streams
+        NCCL receives on. (An actor that makes another PyTorch stream current
+        orders NCCL's receive itself.) Gloo (CPU tensors) has received the data
+        before the method runs: there is nothing to wait for.
+
+        Kept alive: the buffer holds the tensor's memory (the DLPack capsule)
+        for as long as the buffer, and every operation that uses it, live; it
+        frees nothing.
+
+        ``ValueError`` for a tensor on another device than the worker's (copy it
+        instead: ``await self.upload(tensor.numpy())`` for a CPU tensor) or one
+        that is not C-contiguous; ``TypeError`` without ``__dlpack__``."""
+        if not hasattr(tensor, "__dlpack__"):
+            raise TypeError(f"{type(tensor).__name__} does not implement __dlpack__")
+        ctx = self.ctx
+        api, device_id = ctx.api(), ctx.id()
+        want = (kDLCUDA, device_id) if api == "cuda" else (kDLCPU, 0)
+        where = tuple(int(v) for v in tensor.__dlpack_device__())
+        if where != want:
+            raise ValueError(
+                f"the tensor is on DLPack device {where}, the worker on {api}:{device_id} "
+                f"{want}: copy it to the worker's device instead (a CPU tensor: "
+                "await self.upload(tensor.numpy()))"
+            )
+        buf = _from_dlpack(tensor, ctx)
+        assert isinstance(buf, DeviceBuffer)  # (device memory, or the CPU device's)
+        return buf
 
     def device(self) -> tuple[str, int]:
         """``(api, device_id)`` of the worker's context (opening it if needed)."""

@@ -12,6 +12,8 @@ comment on the line just before its fence::
     ```python
 
 and ``NO_RUN`` below counts those marks, so that they cannot silently grow. A
+block that imports Ray or PyTorch runs where that library is installed and is
+skipped elsewhere (Ray's blocks are marked ``ray`` too). A
 block that only includes a file (``--8<-- "examples/x.py"``, pymdownx.snippets)
 shows that file verbatim; the test checks that the file exists (the examples
 themselves run in tests/tools/test_examples.py).
@@ -19,6 +21,7 @@ themselves run in tests/tools/test_examples.py).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -131,9 +134,22 @@ _RAY_MARKS = (
 )
 
 
+# Blocks that use PyTorch on the CPU (Ray's tensor transports) need it installed.
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+_USES_TORCH = re.compile(r"^\s*(import torch\b|from torch\b)", re.MULTILINE)
+_TORCH_MARK = pytest.mark.skipif(not HAVE_TORCH, reason="PyTorch is not installed")
+
+
+def _marks(b: Block) -> list[pytest.MarkDecorator]:
+    marks = list(_RAY_MARKS) if _USES_RAY.search(b.code) else []
+    if _USES_TORCH.search(b.code):
+        marks.append(_TORCH_MARK)
+    return marks
+
+
 @pytest.mark.parametrize(
     "block",
-    [pytest.param(b, marks=_RAY_MARKS if _USES_RAY.search(b.code) else ()) for b in RUNNABLE],
+    [pytest.param(b, marks=_marks(b)) for b in RUNNABLE],
     ids=lambda b: b.id,
 )
 def test_block_runs_on_the_cpu_device(block: Block, tmp_path: Path):

@@ -21,11 +21,12 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _kernels import TRAP_AND_SPIN
+from _kernels import TRAP_AND_SPIN, Gate
 
 import asyncgpu
 from asyncgpu import DeviceError, Kernel, ThreadBlock
@@ -80,15 +81,35 @@ class Scaler(GPUWorker):
         self.arrived = 0
         self.all_in: asyncio.Event | None = None
 
-    async def scale(self, x: np.ndarray, a: float) -> np.ndarray:
-        xd = await self.upload(np.asarray(x, np.float32))
+    def enqueue_scale(self, xd: asyncgpu.DeviceBuffer, a: float) -> asyncgpu.DeviceBuffer:
+        """A new buffer with a * xd, enqueued (not awaited) on the current stream."""
         yd = self.ctx.enqueue_create_buffer(np.float32, len(xd))
         fn = self.ctx.compile_function(SCALE)
         n = len(xd)
         self.ctx.enqueue_function(
             fn, yd, xd, np.float32(a), np.int32(n), grid_dim=(n + 255) // 256, block_dim=256
         )
-        return await self.download(yd, np.shape(x))
+        return yd
+
+    async def scale(self, x: np.ndarray, a: float) -> np.ndarray:
+        xd = await self.upload(np.asarray(x, np.float32))
+        return await self.download(self.enqueue_scale(xd, a), np.shape(x))
+
+    async def scaled_tensor(self, x: np.ndarray, a: float):
+        """a * x computed into a buffer and handed over as a tensor of that buffer
+        (for Ray Direct Transport); the buffer is watched, not kept."""
+        yd = self.enqueue_scale(await self.upload(np.asarray(x, np.float32)), a)
+        self.handed_over = weakref.ref(yd)
+        return await self.to_tensor(yd, np.shape(x))
+
+    async def handed_over_alive(self) -> bool:
+        return self.handed_over() is not None
+
+    async def scale_tensor(self, t, a: float) -> np.ndarray:
+        """a * t, with the tensor Ray delivered wrapped in place as a buffer."""
+        xd = self.from_tensor(t)
+        assert xd.unsafe_ptr() == t.data_ptr()  # the received memory itself
+        return await self.download(self.enqueue_scale(xd, a), tuple(t.shape))
 
     async def where(self) -> dict:
         loop = asyncio.get_running_loop()
@@ -301,6 +322,98 @@ def test_a_device_fault_fails_the_workers_pending_calls(api):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
 
 
+# -- tensors for Ray Direct Transport, without Ray (PyTorch) ------------------------------
+
+
+@pytest.fixture
+def torch(api):
+    """PyTorch, with CUDA for the cuda cases (skipped otherwise)."""
+    torch = pytest.importorskip("torch")
+    if api == "cuda" and not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA device here")
+    return torch
+
+
+@pytest.fixture
+def worker(api):
+    """A ``Scaler`` driven directly on the device under test, closed after the test."""
+    w = Scaler(api=api)
+    yield w
+    w.close()
+
+
+@pytest.mark.asyncio
+async def test_to_tensor_is_a_view_of_the_buffer_that_keeps_it_alive(api, torch, worker):
+    buf = await worker.upload(np.arange(12, dtype=np.float32))
+    t = await worker.to_tensor(buf, (3, 4))
+    assert t.shape == (3, 4) and t.dtype == torch.float32
+    assert t.device.type == ("cuda" if api == "cuda" else "cpu")
+    assert t.data_ptr() == buf.unsafe_ptr()  # the buffer's memory, no copy
+    watch = weakref.ref(buf)
+    del buf
+    gc.collect()
+    assert watch() is not None  # the tensor holds the buffer...
+    np.testing.assert_array_equal(t.cpu().numpy(), np.arange(12).reshape(3, 4))
+    del t
+    gc.collect()
+    assert watch() is None  # ...and lets it go with itself
+
+
+@pytest.mark.asyncio
+async def test_to_tensor_waits_for_the_buffers_pending_writes(api, torch, worker):
+    buf = worker.ctx.enqueue_create_buffer(np.int32, 64)
+    gate = Gate()
+    worker.ctx.enqueue_cpu_function(gate)  # holds the buffer's owning stream
+    worker.ctx.enqueue_memset(buf, 7)
+    handing = asyncio.ensure_future(worker.to_tensor(buf))
+    try:
+        await asyncio.to_thread(gate.entered.wait, CALL_TIMEOUT_S)
+        assert not handing.done()  # the write has not run: no tensor yet
+    finally:
+        gate.open()
+    t = await asyncio.wait_for(handing, CALL_TIMEOUT_S)
+    np.testing.assert_array_equal(t.cpu().numpy(), np.full(64, 7))
+
+
+@pytest.mark.asyncio
+async def test_from_tensor_wraps_a_tensor_in_place_for_a_kernel(api, torch, worker):
+    t = torch.arange(1000, dtype=torch.float32, device="cuda" if api == "cuda" else "cpu")
+    t = t.reshape(10, 100)
+    xd = worker.from_tensor(t)
+    assert isinstance(xd, asyncgpu.DeviceBuffer)
+    assert len(xd) == 1000 and xd.unsafe_ptr() == t.data_ptr()  # no copy
+    del t
+    gc.collect()  # the buffer holds the tensor's memory
+    y = await worker.download(worker.enqueue_scale(xd, 0.5))
+    np.testing.assert_array_equal(y, 0.5 * np.arange(1000, dtype=np.float32))
+
+
+class _OnGpu0:
+    """Stands for a CUDA tensor: all that from_tensor asks before wrapping."""
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("not to be consumed")
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA, device 0
+
+
+def test_tensor_hand_offs_refuse_what_they_cannot_carry():
+    torch = pytest.importorskip("torch")
+    w = GPUWorker(api="cpu")
+    try:
+        with pytest.raises(ValueError, match=r"upload\(tensor.numpy\(\)\)"):
+            w.from_tensor(_OnGpu0())  # another device than the worker's
+        with pytest.raises(ValueError, match="C-contiguous"):
+            w.from_tensor(torch.zeros(3, 4).t())
+        with pytest.raises(TypeError, match="__dlpack__"):
+            w.from_tensor([1.0, 2.0])
+        with pytest.raises(TypeError, match="DeviceBuffer"):
+            asyncio.run(w.to_tensor(np.zeros(3)))  # type: ignore[arg-type]
+    finally:
+        w.close()
+
+
 # -- on a local Ray cluster (the CPU device) ---------------------------------------------
 
 
@@ -348,6 +461,53 @@ def test_an_actor_computes_on_its_own_device_and_loop(cluster):
         assert where["cpu_function_thread"] != where["loop_thread"]
     finally:
         ray.kill(actor)
+
+
+def rdt_actor_options(transport: str) -> dict:
+    """The actor options of a transport's end-to-end case, or a skip saying what
+    the machine lacks: Gloo carries CPU tensors (CPU-device actors), NCCL CUDA
+    tensors between GPU actors (one GPU each)."""
+    torch = pytest.importorskip("torch")
+    if transport == "gloo":
+        return {}
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL between two GPU actors needs PyTorch with CUDA and two GPUs")
+    from ray.util.collective import nccl_available
+
+    if not nccl_available():
+        pytest.skip("Ray's NCCL backend needs CuPy (pip install cupy-cuda12x)")
+    return {"num_gpus": 1}
+
+
+@needs_ray
+@pytest.mark.parametrize("transport", ["gloo", "nccl"])
+def test_a_buffer_travels_to_another_actor_by_ray_direct_transport(cluster, transport):
+    """Actor A computes into a buffer and returns it as a tensor through Ray Direct
+    Transport (actor to actor, no object store); actor B wraps the tensor it
+    receives as a buffer and runs a kernel on it. A's buffer lives while Ray holds
+    the tensor, after A dropped it, and goes once the ref does."""
+    options = rdt_actor_options(transport)
+    from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+    rdt = ray.remote(enable_tensor_transport=True)(Scaler).options(**options)
+    a, b = rdt.remote(), rdt.remote()
+    group = create_collective_group([a, b], backend=transport)
+    try:
+        if transport == "nccl":  # each actor on its own GPU, the tensors CUDA ones
+            assert get(a.device.remote()) == get(b.device.remote()) == ("cuda", 0)
+        x = np.arange(4096, dtype=np.float32).reshape(64, 64)
+        ref = a.scaled_tensor.options(tensor_transport=transport).remote(x, 2.0)
+        np.testing.assert_array_equal(get(b.scale_tensor.remote(ref, 3.0)), 6 * x)
+        assert get(a.handed_over_alive.remote())  # Ray's store holds the tensor, it the buffer
+        del ref
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while get(a.handed_over_alive.remote()):  # Ray frees the tensor asynchronously
+            assert time.monotonic() < deadline, "the buffer outlived its last ObjectRef"
+            time.sleep(0.05)
+    finally:
+        destroy_collective_group(group)
+        ray.kill(a)
+        ray.kill(b)
 
 
 @needs_ray
