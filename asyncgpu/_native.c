@@ -2021,6 +2021,8 @@ static PyObject *stream_prune_method(PyObject *self, PyObject *unused);
 static PyObject *stream_record_marker_method(PyObject *self, PyObject *arg);
 static PyObject *stream_mark_method(PyObject *self, PyObject *keep);
 
+static PyObject *stream_alloc_method(PyObject *self, PyObject *n); /* (below) */
+
 static PyMethodDef stream_methods[] = {
     {"_launch_c", (PyCFunction)(void (*)(void))stream_launch_method, METH_FASTCALL,
      "launch(fn, args, cfg, constant_memory) -> DeviceEvent (CudaStream.launch, in C)."},
@@ -2048,6 +2050,10 @@ static PyMethodDef stream_methods[] = {
     {"_prune_c", stream_prune_method, METH_NOARGS,
      "Retire what has finished and have the watcher sweep the stream later "
      "(a CudaStream's _prune)."},
+    {"_alloc_device_c", stream_alloc_method, METH_O,
+     "_alloc_device_c(nbytes): new device memory for this stream from its backend "
+     "(cuMemAllocFromPoolAsync), under the submit lock; ContextClosedError once "
+     "close() has begun (a polled stream's alloc_device)."},
     {"_record_marker_c", stream_record_marker_method, METH_O,
      "_record_marker_c(seq): a marker for operation seq as a recorded driver event "
      "(cuEventRecord), appended to _events, or else to _copy_marks."},
@@ -3400,7 +3406,7 @@ static int exiting = 0;              /* the interpreter is exiting (set_exiting(
 #define DTYPE_CACHE_MAX 256
 static PyObject *s_release_memory, *s_open, *s_trace, *s_grid_dim, *s_block_dim,
     *s_launch, *s_alloc_ptr, *s_itemsize, *s_general_function, *s_general_create, *empty_tuple,
-    *s_alloc_device, *s_record, *s_kernel, *s_name;
+    *s_alloc_device, *s_backend, *s_record, *s_kernel, *s_name;
 
 /* A dropped buffer that owns memory: a device allocation of a CUDA stream goes
  * back to the stream's kept buffers here, without Python, when the stream keeps
@@ -3919,15 +3925,50 @@ static PyObject *cached_dtype(PyObject *key) {
     return entry;
 }
 
-/* A new allocation of nbytes for the context's stream (impl.alloc_device(nbytes):
- * the backend's cuMemAllocFromPoolAsync, in Python, under the stream's submit
- * lock and refused once the context is closing), or NULL with an exception
+/* A new allocation of n bytes (a Python int) for stream s, made as a
+ * submission: under the stream's submit lock, refused once close() has begun
+ * (the flag close() sets under that lock), from the backend
+ * (state.backend.alloc_device(n, s): cuMemAllocFromPoolAsync, in Python). The
+ * one implementation of _PolledStream.alloc_device (its _alloc_device_c) and of
+ * the compiled enqueue_create_buffer's new allocations. NULL with an exception
  * (out of memory: DeviceError; closing: ContextClosedError). */
+static PyObject *stream_alloc(StreamCore *s, PyObject *n) {
+    PyObject *backend, *a = NULL;
+    Held sh;
+    if (s->state == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "asyncgpu: the stream is not initialised");
+        return NULL;
+    }
+    backend = PyObject_GetAttr(s->state, s_backend);
+    if (backend == NULL)
+        return NULL;
+    if (hold(s->submit_lock, &s->lock_of, &s->acquire, &s->release, &sh) == 0) {
+        if (s->closing) {
+            if (call_method0((PyObject *)s, s_refuse_closed) == 0)
+                PyErr_SetString(PyExc_RuntimeError, "asyncgpu: _refuse_closed returned");
+        } else {
+            a = PyObject_CallMethodObjArgs(backend, s_alloc_device, n, (PyObject *)s, NULL);
+        }
+        if (unhold(&sh))
+            Py_CLEAR(a);
+    }
+    Py_DECREF(backend);
+    return a;
+}
+
+/* _alloc_device_c(nbytes): stream_alloc above. */
+static PyObject *stream_alloc_method(PyObject *self, PyObject *n) {
+    return stream_alloc((StreamCore *)self, n);
+}
+
+/* A new allocation of nbytes for the context's stream (create_buffer_fast has
+ * checked that its impl is a StreamCore). */
 static PyObject *alloc_from_backend(ContextCore *c, Py_ssize_t nbytes) {
-    PyObject *n, *a;
-    n = PyLong_FromSsize_t(nbytes);
-    a = n == NULL ? NULL : PyObject_CallMethodObjArgs(c->impl, s_alloc_device, n, NULL);
-    Py_XDECREF(n);
+    PyObject *a, *n = PyLong_FromSsize_t(nbytes);
+    if (n == NULL)
+        return NULL;
+    a = stream_alloc((StreamCore *)c->impl, n);
+    Py_DECREF(n);
     return a;
 }
 
@@ -4345,6 +4386,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     s_general_function = intern("_enqueue_function");
     s_general_create = intern("_enqueue_create_buffer");
     s_alloc_device = intern("alloc_device");
+    s_backend = intern("backend");
     s_record = intern("record");
     s_kernel = intern("kernel");
     s_name = intern("name");
@@ -4357,7 +4399,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     dtype_cache = PyDict_New();
     if (!s_ptr || !s_alloc || !s_ctx || !s_state || !s_closed || !s_place_marker || !s_retire ||
         !s_refuse_closed ||
-        !s_alloc_device || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
+        !s_alloc_device || !s_backend || !s_completed || !s_acquire || !s_release || !s_append || !s_popleft ||
         !s_finish_retired || !s_need || !s_impl || !s_last ||
         !s_dims || !s_handle || !s_launch_general || !s_new_marker_event || !s_wake_waiters || !s_types ||
         !s_trace_end ||

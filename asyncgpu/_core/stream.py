@@ -387,6 +387,13 @@ class _PolledStream(native.StreamCore, _StreamImpl):
         # ``_submit_lock``, refuses once ``_closing`` is set)
         return self._submit_lock
 
+    def alloc_device(self, nbytes: int) -> Any:
+        """``_StreamImpl.alloc_device``'s steps, compiled (``_alloc_device_c``),
+        which the compiled ``enqueue_create_buffer`` takes for its new
+        allocations too: under ``_submit_lock``, refused once ``_closing`` is
+        set, ``backend.alloc_device(nbytes, self)``."""
+        return self._alloc_device_c(nbytes)
+
     def _completed(self) -> int:
         """The highest sequence number known to have finished (never blocks)."""
         raise NotImplementedError
