@@ -41,7 +41,7 @@ from .._core.state import _ContextState, _open_states, _Ref
 from .._core.stream import _StreamImpl
 from .._core.trace import Trace
 from .._core.trace_json import TraceFile, write_chrome_trace
-from .._devices import backend_class, cuda_available
+from .._devices import backend_class, check_api, cuda_available
 from .._errors import ContextClosedError, NoDeviceError, UnsupportedError
 from .._types import (
     ConstantMemoryMapping,
@@ -58,6 +58,22 @@ from .._types import (
 from .stream import DeviceStream, await_stream
 
 __all__ = ["DeviceContext"]
+
+
+def check_options(api: object, num_streams: object) -> tuple[str | None, int | None]:
+    """``(api, num_streams)`` checked as ``DeviceContext`` takes them: ``api`` is
+    ``"cuda"``, ``"cpu"`` (any case) or ``None``; ``num_streams`` a positive int or
+    ``None``. ``None`` stays ``None`` (the defaults are read when a context
+    opens); ``TypeError`` or ``ValueError`` naming the argument otherwise."""
+    if api is not None:
+        if not isinstance(api, str):
+            raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
+        api = check_api(api)
+    if num_streams is not None:
+        num_streams = check_int(num_streams, "num_streams")
+        if num_streams < 1:
+            raise ValueError(f"num_streams must be at least 1, got {num_streams}")
+    return api, num_streams
 
 
 def default_api() -> str:
@@ -113,14 +129,9 @@ class DeviceContext(native.ContextCore):
             self._ref.owner = weakref.ref(self)
             return
         device_id = check_int(device_id, "device_id")
-        if api is not None and not isinstance(api, str):
-            raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
-        api = (default_api() if api is None else api).lower()
-        if num_streams is None:
-            num_streams = _config.read_num_streams()
-        num_streams = check_int(num_streams, "num_streams")
-        if num_streams < 1:
-            raise ValueError(f"num_streams must be at least 1, got {num_streams}")
+        checked_api, checked_num = check_options(api, num_streams)
+        api = default_api() if checked_api is None else checked_api
+        num_streams = _config.read_num_streams() if checked_num is None else checked_num
         self._state = _ContextState(api, int(device_id), num_streams, backend_class(api)(device_id))
         self._impl = self._state.stream(0)
         self._ref = _Ref()
