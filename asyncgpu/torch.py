@@ -99,11 +99,13 @@ def _stream_device(s: Any, torch: Any) -> int:
 
 def _impl_of(s: Any, ctx: DeviceContext | None, torch: Any) -> _StreamImpl:
     """The wrapped stream of PyTorch's stream ``s`` (made on first use, kept)."""
-    if ctx is not None:
-        return ctx.create_external_stream(s)._impl
+    # Checked here for both paths, so that the error names this module's call
+    # rather than the create_external_stream it would otherwise reach.
     handle = getattr(s, "cuda_stream", None)
     if handle is None:
         raise TypeError(f"asyncgpu.torch.wait takes a torch.cuda.Stream, not {type(s).__name__}")
+    if ctx is not None:
+        return ctx.create_external_stream(s)._impl
     key = (_stream_device(s, torch), int(handle))
     impl = _wrapped.get(key)
     if impl is None or impl.state.closed:
@@ -127,7 +129,8 @@ def wait(stream: Any = None, *, ctx: DeviceContext | None = None) -> DeviceEvent
     call of its own, never blocks) and returns its event; the driver is asked at
     the await (``cuEventRecord`` of a pooled event, then ``cuEventQuery`` by the
     loop's reactor). Work queued on the stream after the call is not covered.
-    ``NoDeviceError`` without PyTorch's CUDA; ``ContextClosedError`` if ``ctx``
+    ``NoDeviceError`` without PyTorch's CUDA; ``TypeError`` if ``stream`` is not
+    a CUDA stream (with or without ``ctx``); ``ContextClosedError`` if ``ctx``
     is closed."""
     torch = _torch()
     if stream is None:
