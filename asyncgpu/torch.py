@@ -24,7 +24,8 @@ The result is a ``DeviceEvent``: await it (asyncio, uvloop, trio, anyio), ask
 work. Errors of the GPU (a fault) are raised by the await.
 
 Each PyTorch stream is wrapped once per context (``create_external_stream``)
-and the wrapper is kept: a call costs one empty operation, no driver call
+and the wrapper is kept (the context keeps the most recently wrapped streams'
+wrappers; see its bound there): a call costs one empty operation, no driver call
 until the await (one ``cuEventRecord`` of a pooled driver event), and the
 reactor's ``cuEventQuery`` polls while it waits.
 
@@ -49,8 +50,9 @@ from ._errors import NoDeviceError
 __all__ = ["wait", "wait_event"]
 
 # (device, CUstream) -> the wrapped stream, for the process-wide contexts; a call
-# with a context of its own goes through that context's own table.
-_wrapped: dict[tuple[int, int], _StreamImpl] = {}
+# with a context of its own goes through that context's own table. Weak, so that
+# the context's bound on the wrappers it keeps (create_external_stream) holds.
+_wrapped: weakref.WeakValueDictionary[tuple[int, int], _StreamImpl] = weakref.WeakValueDictionary()
 # context state -> the stream of ours that waits for PyTorch's events (wait_event)
 _event_waiters: weakref.WeakKeyDictionary[Any, _StreamImpl] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()

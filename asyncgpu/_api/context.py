@@ -395,8 +395,7 @@ class DeviceContext(native.ContextCore):
         state = self._state
         with state.lock:
             state.refuse_if_closing()
-            index = state.num_streams + len(state.extra_streams)
-            impl = state.backend.new_stream(state, index, priority)
+            impl = state.backend.new_stream(state, state.take_index(), priority)
             state.extra_streams.append(impl)
         return DeviceStream(self, impl)
 
@@ -406,24 +405,20 @@ class DeviceContext(native.ContextCore):
 
         A context wraps each handle once: wrapping the same ``CUstream`` again
         (another Python object for it, such as each ``torch.cuda.current_stream()``)
-        gives a stream equal to the first, with the same completion bookkeeping, so
-        wrapping per request costs a dictionary look-up, not a new stream. The
-        first object wrapped is kept alive as long as the context; a stream
-        destroyed by its owner must not be used through the wrapper again."""
+        gives a stream equal to the first (while it lives, see below), with the
+        same completion bookkeeping, so wrapping per request costs a dictionary
+        look-up, not a new stream. The first object wrapped is kept alive with
+        its wrapper. The context keeps the wrappers of the 64 most recently
+        wrapped handles (``EXTERNAL_STREAMS_KEPT``); older ones are let
+        go once idle (their last operation seen finished) and released
+        (``cuEventDestroy`` of their marker events; the wrapped stream itself
+        is never destroyed) once nothing else holds them, so wrapping ever-new
+        handles does not grow the context without bound. A stream destroyed by
+        its owner must not be used through the wrapper again."""
         self._check_open()
         state = self._state
         handle = state.backend.external_handle(external_stream)
-        impl = state.external_streams.get(handle)
-        if impl is None:
-            with state.lock:
-                state.refuse_if_closing()
-                impl = state.external_streams.get(handle)
-                if impl is None:
-                    index = state.num_streams + len(state.extra_streams)
-                    impl = state.backend.external_stream(state, external_stream, index)
-                    state.extra_streams.append(impl)
-                    state.external_streams[handle] = impl
-        return DeviceStream(self, impl)
+        return DeviceStream(self, state.external_stream(handle, external_stream))
 
     def create_event(
         self,
