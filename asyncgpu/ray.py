@@ -34,8 +34,10 @@ import numpy as np
 
 from . import DeviceBuffer, DeviceContext, default_api
 from . import from_dlpack as _from_dlpack
+from ._api.context import check_options
 from ._config import read_cuda_visible_devices
 from ._core.dlpack import kDLCPU, kDLCUDA
+from ._types import check_int
 
 __all__ = ["GPUWorker", "assigned_device", "cuda_ordinal"]
 
@@ -102,7 +104,10 @@ class GPUWorker:
     device is ``assigned_device()`` (Ray's GPU of the actor, the CPU device for
     an actor without one); ``api`` and ``device_id`` choose it instead, and
     ``num_streams`` sizes the context's stream pool (``DeviceContext``'s
-    default otherwise). A subclass with an ``__init__`` of its own calls
+    default otherwise). They are checked here as ``DeviceContext`` checks them
+    (``TypeError`` for a non-string ``api`` or a non-integer ``device_id`` or
+    ``num_streams``, ``ValueError`` for an unknown ``api`` or ``num_streams``
+    below 1). A subclass with an ``__init__`` of its own calls
     ``super().__init__(...)``.
 
     Nothing is opened at construction: ``ctx`` opens the context on first use,
@@ -128,11 +133,11 @@ class GPUWorker:
         device_id: int | None = None,
         num_streams: int | None = None,
     ) -> None:
-        if api is not None and not isinstance(api, str):
-            raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
-        bad_id = isinstance(device_id, bool) or not isinstance(device_id, int)
-        if device_id is not None and bad_id:
-            raise TypeError(f"device_id must be an int or None, not {device_id!r}")
+        # DeviceContext's own checks, so that a bad value fails here, in the
+        # caller, rather than at the first self.ctx inside a remote call.
+        api, num_streams = check_options(api, num_streams)
+        if device_id is not None:
+            device_id = check_int(device_id, "device_id")
         self._api = api
         self._device_id = device_id
         self._num_streams = num_streams

@@ -24,7 +24,8 @@ The result is a ``DeviceEvent``: await it (asyncio, uvloop, trio, anyio), ask
 work. Errors of the GPU (a fault) are raised by the await.
 
 Each PyTorch stream is wrapped once per context (``create_external_stream``)
-and the wrapper is kept: a call costs one empty operation, no driver call
+and the wrapper is kept (the context keeps the most recently wrapped streams'
+wrappers; see its bound there): a call costs one empty operation, no driver call
 until the await (one ``cuEventRecord`` of a pooled driver event), and the
 reactor's ``cuEventQuery`` polls while it waits.
 
@@ -49,8 +50,9 @@ from ._errors import NoDeviceError
 __all__ = ["wait", "wait_event"]
 
 # (device, CUstream) -> the wrapped stream, for the process-wide contexts; a call
-# with a context of its own goes through that context's own table.
-_wrapped: dict[tuple[int, int], _StreamImpl] = {}
+# with a context of its own goes through that context's own table. Weak, so that
+# the context's bound on the wrappers it keeps (create_external_stream) holds.
+_wrapped: weakref.WeakValueDictionary[tuple[int, int], _StreamImpl] = weakref.WeakValueDictionary()
 # context state -> the stream of ours that waits for PyTorch's events (wait_event)
 _event_waiters: weakref.WeakKeyDictionary[Any, _StreamImpl] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -99,11 +101,13 @@ def _stream_device(s: Any, torch: Any) -> int:
 
 def _impl_of(s: Any, ctx: DeviceContext | None, torch: Any) -> _StreamImpl:
     """The wrapped stream of PyTorch's stream ``s`` (made on first use, kept)."""
-    if ctx is not None:
-        return ctx.create_external_stream(s)._impl
+    # Checked here for both paths, so that the error names this module's call
+    # rather than the create_external_stream it would otherwise reach.
     handle = getattr(s, "cuda_stream", None)
     if handle is None:
         raise TypeError(f"asyncgpu.torch.wait takes a torch.cuda.Stream, not {type(s).__name__}")
+    if ctx is not None:
+        return ctx.create_external_stream(s)._impl
     key = (_stream_device(s, torch), int(handle))
     impl = _wrapped.get(key)
     if impl is None or impl.state.closed:
@@ -127,7 +131,8 @@ def wait(stream: Any = None, *, ctx: DeviceContext | None = None) -> DeviceEvent
     call of its own, never blocks) and returns its event; the driver is asked at
     the await (``cuEventRecord`` of a pooled event, then ``cuEventQuery`` by the
     loop's reactor). Work queued on the stream after the call is not covered.
-    ``NoDeviceError`` without PyTorch's CUDA; ``ContextClosedError`` if ``ctx``
+    ``NoDeviceError`` without PyTorch's CUDA; ``TypeError`` if ``stream`` is not
+    a CUDA stream (with or without ``ctx``); ``ContextClosedError`` if ``ctx``
     is closed."""
     torch = _torch()
     if stream is None:

@@ -41,7 +41,7 @@ from .._core.state import _ContextState, _open_states, _Ref
 from .._core.stream import _StreamImpl
 from .._core.trace import Trace
 from .._core.trace_json import TraceFile, write_chrome_trace
-from .._devices import backend_class, cuda_available
+from .._devices import backend_class, check_api, cuda_available
 from .._errors import ContextClosedError, NoDeviceError, UnsupportedError
 from .._types import (
     ConstantMemoryMapping,
@@ -58,6 +58,22 @@ from .._types import (
 from .stream import DeviceStream, await_stream
 
 __all__ = ["DeviceContext"]
+
+
+def check_options(api: object, num_streams: object) -> tuple[str | None, int | None]:
+    """``(api, num_streams)`` checked as ``DeviceContext`` takes them: ``api`` is
+    ``"cuda"``, ``"cpu"`` (any case) or ``None``; ``num_streams`` a positive int or
+    ``None``. ``None`` stays ``None`` (the defaults are read when a context
+    opens); ``TypeError`` or ``ValueError`` naming the argument otherwise."""
+    if api is not None:
+        if not isinstance(api, str):
+            raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
+        api = check_api(api)
+    if num_streams is not None:
+        num_streams = check_int(num_streams, "num_streams")
+        if num_streams < 1:
+            raise ValueError(f"num_streams must be at least 1, got {num_streams}")
+    return api, num_streams
 
 
 def default_api() -> str:
@@ -113,14 +129,9 @@ class DeviceContext(native.ContextCore):
             self._ref.owner = weakref.ref(self)
             return
         device_id = check_int(device_id, "device_id")
-        if api is not None and not isinstance(api, str):
-            raise TypeError(f'api must be "cuda", "cpu" or None, not {api!r}')
-        api = (default_api() if api is None else api).lower()
-        if num_streams is None:
-            num_streams = _config.read_num_streams()
-        num_streams = check_int(num_streams, "num_streams")
-        if num_streams < 1:
-            raise ValueError(f"num_streams must be at least 1, got {num_streams}")
+        checked_api, checked_num = check_options(api, num_streams)
+        api = default_api() if checked_api is None else checked_api
+        num_streams = _config.read_num_streams() if checked_num is None else checked_num
         self._state = _ContextState(api, int(device_id), num_streams, backend_class(api)(device_id))
         self._impl = self._state.stream(0)
         self._ref = _Ref()
@@ -384,8 +395,7 @@ class DeviceContext(native.ContextCore):
         state = self._state
         with state.lock:
             state.refuse_if_closing()
-            index = state.num_streams + len(state.extra_streams)
-            impl = state.backend.new_stream(state, index, priority)
+            impl = state.backend.new_stream(state, state.take_index(), priority)
             state.extra_streams.append(impl)
         return DeviceStream(self, impl)
 
@@ -395,24 +405,20 @@ class DeviceContext(native.ContextCore):
 
         A context wraps each handle once: wrapping the same ``CUstream`` again
         (another Python object for it, such as each ``torch.cuda.current_stream()``)
-        gives a stream equal to the first, with the same completion bookkeeping, so
-        wrapping per request costs a dictionary look-up, not a new stream. The
-        first object wrapped is kept alive as long as the context; a stream
-        destroyed by its owner must not be used through the wrapper again."""
+        gives a stream equal to the first (while it lives, see below), with the
+        same completion bookkeeping, so wrapping per request costs a dictionary
+        look-up, not a new stream. The first object wrapped is kept alive with
+        its wrapper. The context keeps the wrappers of the 64 most recently
+        wrapped handles (``EXTERNAL_STREAMS_KEPT``); older ones are let
+        go once idle (their last operation seen finished) and released
+        (``cuEventDestroy`` of their marker events; the wrapped stream itself
+        is never destroyed) once nothing else holds them, so wrapping ever-new
+        handles does not grow the context without bound. A stream destroyed by
+        its owner must not be used through the wrapper again."""
         self._check_open()
         state = self._state
         handle = state.backend.external_handle(external_stream)
-        impl = state.external_streams.get(handle)
-        if impl is None:
-            with state.lock:
-                state.refuse_if_closing()
-                impl = state.external_streams.get(handle)
-                if impl is None:
-                    index = state.num_streams + len(state.extra_streams)
-                    impl = state.backend.external_stream(state, external_stream, index)
-                    state.extra_streams.append(impl)
-                    state.external_streams[handle] = impl
-        return DeviceStream(self, impl)
+        return DeviceStream(self, state.external_stream(handle, external_stream))
 
     def create_event(
         self,

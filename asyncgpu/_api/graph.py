@@ -17,7 +17,13 @@ from functools import partial
 from typing import Any
 
 from .._core.event import DeviceEvent
-from .._core.function import ARG_BUFFER, ARG_FOREIGN, DeviceFunction, kernel_arg_kind
+from .._core.function import (
+    ARG_BUFFER,
+    ARG_CUDA_CORE,
+    ARG_FOREIGN,
+    DeviceFunction,
+    kernel_arg_kind,
+)
 from .._core.function import refuse_coroutine_function as _refuse_coroutine_function
 from .._core.graph import (
     COPY,
@@ -89,9 +95,10 @@ class DeviceGraphBuilder:
         """A kernel node: ``f`` launched with ``args`` (a kernel node,
         ``cuGraphAddKernelNode``, on CUDA; the NumPy body once per block on the
         CPU device). ``f`` and the arguments are what ``enqueue_function``
-        takes (another library's arrays excepted: copy them into a
-        ``DeviceBuffer``); the argument values are fixed when the node is
-        added, and buffers are used in place at every replay."""
+        takes (another library's arrays and cuda.core objects excepted, with
+        ``TypeError``: copy them into a ``DeviceBuffer``); the argument values
+        are fixed when the node is added, and buffers are used in place at
+        every replay."""
         deps = self._deps(dependencies)
         ctx = self._ctx
         fn = f if type(f) is DeviceFunction else ctx._compiled(f, func_attribute)
@@ -198,7 +205,7 @@ class DeviceGraphBuilder:
 def _kernel_buffers(ctx: DeviceContext, args: tuple[Any, ...]) -> list[_BufferBase]:
     """The buffers among a kernel node's arguments, every argument checked: the
     kinds ``enqueue_function`` takes (by ``kernel_arg_kind``), another library's
-    array excepted, and buffers the graph's context may use in place, by the
+    array or cuda.core object excepted, and buffers the graph's context may use in place, by the
     rule of its launches (``check_kernel_buffer``: its own, another context's
     of the same device, a peer's once peer access is enabled). (The device
     checks the count and sizes against the kernel when it makes or updates the
@@ -206,11 +213,15 @@ def _kernel_buffers(ctx: DeviceContext, args: tuple[Any, ...]) -> list[_BufferBa
     buffers = []
     for n, a in enumerate(args):
         kind = kernel_arg_kind(n, a)
-        if kind == ARG_FOREIGN:
+        # A node replays its argument values long after they were given, and
+        # neither kind tells the graph how long its memory lives (a cuda.core
+        # Buffer can be closed while the graph still holds the object), so both
+        # are refused, alike: a DeviceBuffer's memory is owned by asyncgpu.
+        if kind in (ARG_FOREIGN, ARG_CUDA_CORE):
             raise TypeError(
                 f"kernel argument {n}: a graph takes DeviceBuffers, HostBuffers and NumPy "
-                f"scalars, not another library's array ({type(a).__name__}); copy it into "
-                "a DeviceBuffer"
+                f"scalars, not another library's array or object ({type(a).__name__}); copy it "
+                "into a DeviceBuffer"
             )
         if kind == ARG_BUFFER:
             check_kernel_buffer(ctx._state, a, f"kernel argument {n}")

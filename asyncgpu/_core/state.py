@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 from .._accel import native
@@ -30,6 +31,9 @@ __all__ = ["_ContextState", "_Ref"]
 # The streams a context makes when it is made (the most hardware queues a CUDA
 # device hands out); the rest of its pool is made on first use.
 _EAGER_STREAMS = 32
+# How many wrapped streams of other libraries a context keeps alive for reuse,
+# the most recently wrapped ones (see _ContextState.external_stream).
+EXTERNAL_STREAMS_KEPT = 64
 
 
 class _ContextState(native.StateCore):
@@ -49,9 +53,15 @@ class _ContextState(native.StateCore):
         self.trace_file: TraceFile | None = None  # ASYNCGPU_TRACE's (see DeviceContext)
         self.num_streams = num_streams
         self.streams: dict[int, _StreamImpl] = {}  # (made at once or on first use)
-        self.extra_streams: list[_StreamImpl] = []
-        # Wrapped streams by native handle (among extra_streams): one per handle.
-        self.external_streams: dict[int, _StreamImpl] = {}
+        self.extra_streams: list[_StreamImpl] = []  # (create_stream's)
+        self.next_index = num_streams  # (the index of the next stream outside the pool)
+        # Wrapped streams of other libraries by native handle: every one alive
+        # (one per handle while it lives), and the most recently wrapped ones,
+        # which the context keeps alive (external_stream).
+        self.external_streams: weakref.WeakValueDictionary[int, _StreamImpl] = (
+            weakref.WeakValueDictionary()
+        )
+        self.kept_external: OrderedDict[int, _StreamImpl] = OrderedDict()
         self.compiled: dict[Any, DeviceFunction] = {}
         self.limits: dict[DeviceAttribute, int] = {}
         _open_states.add(self)
@@ -83,6 +93,57 @@ class _ContextState(native.StateCore):
                     s = self.streams[i] = self.backend.new_stream(self, i, 0)
         return s
 
+    def take_index(self) -> int:
+        """Under ``lock``: the index of a new stream outside the pool."""
+        index = self.next_index
+        self.next_index += 1
+        return index
+
+    def external_stream(self, handle: int, stream: Any) -> _StreamImpl:
+        """The wrapper of another library's stream ``stream`` (native handle
+        ``handle``): the one alive for that handle, else a new one
+        (``backend.external_stream``).
+
+        The context keeps the ``EXTERNAL_STREAMS_KEPT`` most recently wrapped
+        handles' wrappers alive, so wrapping the same stream again (per
+        request) is a dictionary look-up. Past that bound, the least recently
+        wrapped ones that are idle (their last operation seen finished) are let
+        go: each is released (its counter slots, marker events and kept memory,
+        by its finalizer; never the other library's stream, which is not ours)
+        once nothing else holds it: a ``DeviceStream`` or a buffer of it, or
+        work in flight. One with work pending is kept past the bound until its
+        work is seen finished.
+
+        A handle whose stream its owner destroyed may be handed out again by
+        the driver for a new stream: a wrapper still kept for it is harmless,
+        since it holds only the handle's value and resources of its own (no
+        state of the old stream's), so the new stream's work goes where the
+        handle now points."""
+        impl = self.kept_external.get(handle)
+        if impl is not None:
+            with contextlib.suppress(KeyError):  # (let go meanwhile by another thread)
+                self.kept_external.move_to_end(handle)
+            return impl
+        with self.lock:
+            self.refuse_if_closing()
+            impl = self.external_streams.get(handle)
+            if impl is None:
+                impl = self.backend.external_stream(self, stream, self.take_index())
+                self.external_streams[handle] = impl
+            self.kept_external[handle] = impl
+            self.kept_external.move_to_end(handle)
+            excess = len(self.kept_external) - EXTERNAL_STREAMS_KEPT
+            if excess > 0:
+                # Least recently wrapped first; never the one just wrapped.
+                for h, s in list(self.kept_external.items())[:-1]:
+                    ev = s.tail()
+                    if ev is None or ev._done:
+                        del self.kept_external[h]
+                        excess -= 1
+                        if excess == 0:
+                            break
+        return impl
+
     def refuse_if_closing(self) -> None:
         """Under ``lock``: ``ContextClosedError`` once ``close()`` has begun (a
         stream made then would miss ``close()``'s refusal and wait)."""
@@ -90,7 +151,11 @@ class _ContextState(native.StateCore):
             raise ContextClosedError(f"the DeviceContext {self.describe()} is closed")
 
     def all_streams(self) -> list[_StreamImpl]:
-        return list(self.streams.values()) + list(self.extra_streams)
+        return [
+            *self.streams.values(),
+            *self.extra_streams,
+            *self.external_streams.values(),
+        ]
 
     def limit(self, attr: DeviceAttribute) -> int:
         v = self.limits.get(attr)

@@ -11,24 +11,32 @@ from typing import Any
 
 from .._errors import NoDeviceError
 
-__all__ = ["backend_class", "cuda_available", "pointer_device"]
+__all__ = ["backend_class", "check_api", "cuda_available", "pointer_device"]
+
+
+def check_api(api: str) -> str:
+    """``api`` as a device name, ``"cpu"`` or ``"cuda"`` (any case); ``ValueError``
+    for any other string."""
+    name = api.lower()
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"unknown device api {api!r}: use 'cuda' or 'cpu'")
+    return name
 
 
 def backend_class(api: str) -> Any:
     """The backend class of ``api`` (``"cpu"`` or ``"cuda"``)."""
+    api = check_api(api)
     if api == "cpu":
         from .cpu import CpuBackend
 
         return CpuBackend
-    if api == "cuda":
-        try:
-            from .cuda.backend import CudaBackend
-        except ImportError as e:
-            raise NoDeviceError(
-                f"the CUDA device needs cuda-python ({e}); pip install 'asyncgpu[cuda]'"
-            ) from None
-        return CudaBackend
-    raise ValueError(f"unknown device api {api!r}: use 'cuda' or 'cpu'")
+    try:
+        from .cuda.backend import CudaBackend
+    except ImportError as e:
+        raise NoDeviceError(
+            f"the CUDA device needs cuda-python ({e}); pip install 'asyncgpu[cuda]'"
+        ) from None
+    return CudaBackend
 
 
 def cuda_available() -> bool:

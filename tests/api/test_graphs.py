@@ -559,6 +559,51 @@ def test_the_graph_holds_new_buffers_and_drops_old_ones_after_their_replays(
     assert replaced() is None
 
 
+class _ForeignArray:
+    """Another library's device array, as a kernel argument sees it."""
+
+    def __init__(self, buf: DeviceBuffer) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (len(buf),),
+            "typestr": "<i4",
+            "data": (buf.unsafe_ptr(), False),
+            "version": 3,
+        }
+
+
+# A cuda.core Buffer as enqueue_function recognizes one: a ``handle`` and a type
+# of the cuda.core package (no cuda.core needed to make it).
+_CudaCoreBuffer = type("Buffer", (), {"__module__": "cuda.core._memory", "handle": 0x1000})
+
+
+def test_a_kernel_node_refuses_other_libraries_arrays_and_cuda_core_objects_alike(
+    ctx: DeviceContext,
+) -> None:
+    """A node replays its arguments long after they were given, and neither
+    another library's array nor a cuda.core object (a ``Buffer`` its owner can
+    close) says how long its memory lives: both are refused, with one
+    ``TypeError``, when the node is added and when it is updated. Only
+    asyncgpu's buffers are kept alive, and used in place, by the graph."""
+    x = ctx.enqueue_create_buffer(np.int32, N)
+    nodes: list[DeviceGraphNode] = []
+    graph = DeviceGraph.create(
+        ctx, lambda b: nodes.append(_add_ones(b, x, 1, b.region(lambda b: None)))
+    )
+    for other, name in ((_ForeignArray(x), "_ForeignArray"), (_CudaCoreBuffer(), "Buffer")):
+        refused = rf"kernel argument 0: a graph takes DeviceBuffers.*another library's .*\({name}\)"
+        with pytest.raises(TypeError, match=refused) as built:
+            DeviceGraph.create(
+                ctx,
+                lambda b, a=other: b.add_function(
+                    ADD_ONE, a, np.int32(N), grid_dim=blocks_for(N), block_dim=256
+                ),
+            )
+        with pytest.raises(TypeError) as updated:
+            graph.update(nodes[0], other, np.int32(N))
+        assert str(updated.value) == str(built.value)
+    graph.replay().synchronize()  # (the refused update left the node as it was)
+
+
 def test_bad_updates_raise_at_the_call_and_leave_the_graph_as_it_was(
     ctx: DeviceContext,
 ) -> None:

@@ -86,6 +86,19 @@ def test_what_is_not_a_cuda_stream_or_event_is_a_type_error(monkeypatch) -> None
         agt.wait_event(3)
 
 
+def test_with_a_given_context_too_the_type_error_names_wait(monkeypatch) -> None:
+    """The argument is checked by ``wait`` itself, before the context is asked:
+    the error names ``asyncgpu.torch.wait``, not ``create_external_stream``."""
+    monkeypatch.setitem(sys.modules, "torch", _torch(cuda=True))
+    ctx = _Recorder()
+    names_wait = r"asyncgpu\.torch\.wait takes a torch\.cuda\.Stream, not "
+    with pytest.raises(TypeError, match=names_wait + "int"):
+        agt.wait(0xA, ctx=ctx)  # type: ignore[arg-type]
+    assert ctx.wrapped == []
+    with ag.DeviceContext(api="cpu") as cpu, pytest.raises(TypeError, match=names_wait + "object"):
+        agt.wait(object(), ctx=cpu)
+
+
 def test_an_event_never_recorded_is_done_at_once(monkeypatch) -> None:
     """PyTorch makes an event's driver event at its first record (``cuda_event``
     is 0 until then): nothing to wait for, as ``torch.cuda.Event().query()``."""

@@ -767,6 +767,44 @@ def test_a_wrapped_streams_fence_is_marked_by_a_pooled_driver_event(wrapped) -> 
     assert second.query() and not s._inflight
 
 
+def test_a_context_keeps_a_wrapper_whose_fence_is_pending(wrapped, monkeypatch) -> None:
+    """The context's bound on the wrappers it keeps (``create_external_stream``),
+    on the CUDA device's wrapper: past the bound, a wrapper whose fence's event
+    has not finished is kept; once that event is seen finished, the next new
+    handle lets it go (the context's table keeps it no more)."""
+    import weakref
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from asyncgpu._core import state as _state
+
+    s, driver, _ = wrapped
+    monkeypatch.setattr(_state, "EXTERNAL_STREAMS_KEPT", 1)
+    made = iter([s, wrapped_stream(0x5EB), wrapped_stream(0x5EC)])
+    table = SimpleNamespace(
+        kept_external=OrderedDict(),
+        external_streams=weakref.WeakValueDictionary(),
+        lock=threading.RLock(),
+        refuse_if_closing=lambda: None,
+        take_index=lambda: 9,
+        backend=SimpleNamespace(external_stream=lambda state, stream, index: next(made)),
+    )
+
+    def wrap(handle: int) -> object:
+        return _state._ContextState.external_stream(table, handle, handle)  # type: ignore[arg-type]
+
+    assert wrap(0x5EA) is s and wrap(0x5EA) is s
+    fence = s.fence()
+    assert not fence.query()  # (its marker, the driver event, recorded)
+    other = wrap(0x5EB)
+    assert list(table.kept_external) == [0x5EA, 0x5EB]  # one past the bound
+    driver.c.finished.add(0xE0)
+    assert fence.query()
+    wrap(0x5EC)
+    assert list(table.kept_external) == [0x5EC]
+    assert other is not s
+
+
 def test_a_fence_marked_by_the_counter_when_the_benchmarks_ask(wrapped, monkeypatch) -> None:
     """(``_fence_event_marker``: the serving benchmark compares the two markers.)"""
     s, driver, written = wrapped

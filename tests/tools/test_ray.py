@@ -184,6 +184,35 @@ def test_bad_arguments_are_refused_at_construction():
         GPUWorker(device_id="0")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"api": "gpu"}, ValueError),
+        ({"api": ""}, ValueError),
+        ({"num_streams": 0}, ValueError),
+        ({"num_streams": -2}, ValueError),
+        ({"num_streams": 2.0}, TypeError),
+        ({"num_streams": True}, TypeError),
+    ],
+)
+def test_bad_values_fail_at_construction_as_a_device_context_refuses_them(kwargs, error):
+    """Not at the first ``self.ctx``, inside a remote call: the worker raises
+    the very error ``DeviceContext`` gives for the same value."""
+    with pytest.raises(error) as by_context:
+        asyncgpu.DeviceContext(**kwargs)
+    with pytest.raises(error) as by_worker:
+        GPUWorker(**kwargs)
+    assert str(by_worker.value) == str(by_context.value)
+
+
+def test_the_api_is_taken_in_any_case_and_num_streams_as_given():
+    w = GPUWorker(api="CPU", num_streams=3)
+    assert w._ctx is None  # still nothing opened
+    assert w.ctx.api() == "cpu"
+    assert w.ctx.num_streams() == 3
+    w.close()
+
+
 @pytest.mark.asyncio
 async def test_the_worker_driven_directly_opens_on_first_use_and_closes(api):
     w = Scaler(api=api)
