@@ -2767,6 +2767,19 @@ static PyObject *stream_mark_method(PyObject *self, PyObject *keep) {
     return mark_submitted(s, keep);
 }
 
+/* Whether a submission made in C may go to the driver now, under the submit
+ * lock: 1 (the marker rules applied: before_submit), 0 when the stream is held
+ * behind host work (before, or since a marker that before_submit placed was
+ * held by another thread: the Python path queues the operation), -1 with an
+ * exception. */
+static int submit_ready(StreamCore *s) {
+    if (!is_none(s->pending))
+        return 0;
+    if (before_submit(s))
+        return -1;
+    return is_none(s->pending) ? 1 : 0;
+}
+
 /* The launch proper, under the stream's submit lock: a new event, None (the
  * general path takes it), or NULL with an exception. */
 static PyObject *launch_locked(StreamCore *s, unsigned long long func, const unsigned long long d[7],
@@ -2776,13 +2789,9 @@ static PyObject *launch_locked(StreamCore *s, unsigned long long func, const uns
     unsigned long long addr = 0, ptrs = 0;
     long long seq;
     Py_ssize_t nargs = PyTuple_Size(argt);
-    int marker, event_marker, err, rc;
-    if (!is_none(s->pending))
-        Py_RETURN_NONE; /* held behind host work */
-    if (before_submit(s))
-        return NULL;
-    if (!is_none(s->pending))
-        Py_RETURN_NONE; /* the marker above was held (another thread held the stream) */
+    int marker, event_marker, err, rc, ready;
+    if ((ready = submit_ready(s)) <= 0)
+        return ready < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     if (plan == s->mem_plan) {
         addr = s->mem_addr;
         ptrs = s->mem_ptrs;
@@ -3004,13 +3013,9 @@ static PyObject *stream_launch_method(PyObject *self, PyObject *const *args, Py_
  * stream is held: the Python path queues the copy), or NULL with an exception. */
 static PyObject *copy_locked(StreamCore *s, unsigned long long dst, unsigned long long src,
                              unsigned long long nbytes, PyObject *keep) {
-    int err = 0;
-    if (!is_none(s->pending))
-        Py_RETURN_NONE; /* held behind host work */
-    if (before_submit(s))
-        return NULL;
-    if (!is_none(s->pending))
-        Py_RETURN_NONE; /* the marker above was held (another thread held the stream) */
+    int err = 0, ready;
+    if ((ready = submit_ready(s)) <= 0)
+        return ready < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     if (nbytes) {
         /* The GIL is released as cuda.bindings does: a copy can wait for room in
          * the device's queue, and a pool thread may need the GIL meanwhile. */
@@ -3059,13 +3064,9 @@ static PyObject *stream_copy_method(PyObject *self, PyObject *const *args, Py_ss
  * taken after the submit lock, as the Python path and a held launch take it. */
 static PyObject *graph_locked(StreamCore *s, unsigned long long exe, RLockObject *lock,
                               PyObject *applied, PyObject *want, PyObject *keep) {
-    int err = 0;
-    if (!is_none(s->pending))
-        Py_RETURN_NONE; /* held behind host work */
-    if (before_submit(s))
-        return NULL;
-    if (!is_none(s->pending))
-        Py_RETURN_NONE; /* the marker above was held (another thread held the stream) */
+    int err = 0, ready;
+    if ((ready = submit_ready(s)) <= 0)
+        return ready < 0 ? NULL : (Py_INCREF(Py_None), Py_None);
     if (rlock_take(lock, 1, -1) != 1) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_RuntimeError, "asyncgpu: a lock was not taken");
