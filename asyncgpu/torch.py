@@ -49,10 +49,6 @@ from ._errors import NoDeviceError
 
 __all__ = ["wait", "wait_event"]
 
-# (device, CUstream) -> the wrapped stream, for the process-wide contexts; a call
-# with a context of its own goes through that context's own table. Weak, so that
-# the context's bound on the wrappers it keeps (create_external_stream) holds.
-_wrapped: weakref.WeakValueDictionary[tuple[int, int], _StreamImpl] = weakref.WeakValueDictionary()
 # context state -> the stream of ours that waits for PyTorch's events (wait_event)
 _event_waiters: weakref.WeakKeyDictionary[Any, _StreamImpl] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -100,21 +96,17 @@ def _stream_device(s: Any, torch: Any) -> int:
 
 
 def _impl_of(s: Any, ctx: DeviceContext | None, torch: Any) -> _StreamImpl:
-    """The wrapped stream of PyTorch's stream ``s`` (made on first use, kept)."""
+    """The wrapped stream of PyTorch's stream ``s``: the context's (``ctx``, or
+    the process-wide context of ``s``'s device), whose ``create_external_stream``
+    wraps each ``CUstream`` once and bounds the wrappers it keeps."""
     # Checked here for both paths, so that the error names this module's call
     # rather than the create_external_stream it would otherwise reach.
     handle = getattr(s, "cuda_stream", None)
     if handle is None:
         raise TypeError(f"asyncgpu.torch.wait takes a torch.cuda.Stream, not {type(s).__name__}")
-    if ctx is not None:
-        return ctx.create_external_stream(s)._impl
-    key = (_stream_device(s, torch), int(handle))
-    impl = _wrapped.get(key)
-    if impl is None or impl.state.closed:
-        with _lock:
-            impl = _default_context("cuda", key[0]).create_external_stream(s)._impl
-            _wrapped[key] = impl
-    return impl
+    if ctx is None:
+        ctx = _default_context("cuda", _stream_device(s, torch))
+    return ctx.create_external_stream(s)._impl
 
 
 def wait(stream: Any = None, *, ctx: DeviceContext | None = None) -> DeviceEvent:

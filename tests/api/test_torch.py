@@ -130,19 +130,20 @@ class _Recorder:
     state = types.SimpleNamespace(closed=False)
 
 
-def test_the_current_stream_is_wrapped_once_and_fenced_at_each_call(monkeypatch) -> None:
-    """``wait()`` is the current stream's fence; the stream's wrapper is made by
-    the first call and kept (``torch.cuda.current_stream()`` is a new object at
-    each call, for the same ``CUstream``), and a stream of another device gets a
-    wrapper of that device's context."""
+def test_the_current_stream_is_fenced_at_each_call_through_its_devices_context(
+    monkeypatch,
+) -> None:
+    """``wait()`` is the current stream's fence, wrapped by the process-wide
+    context of the stream's device (whose ``create_external_stream`` wraps each
+    ``CUstream`` once: ``torch.cuda.current_stream()`` is a new object at each
+    call); a stream of another device goes to that device's context."""
     ctxs: dict[int, _Recorder] = {}
-    monkeypatch.setattr(agt, "_wrapped", {})
     monkeypatch.setattr(agt, "_default_context", lambda api, d: ctxs.setdefault(d, _Recorder()))
     monkeypatch.setitem(sys.modules, "torch", _torch(cuda=True, current=_Stream(0xA)))
     assert agt.wait() == "the fence's event"
     assert agt.wait() == "the fence's event"
     assert agt.wait(_Stream(0xA)) == "the fence's event"
-    assert len(ctxs[0].wrapped) == 1 and ctxs[0].fences == 3
+    assert len(ctxs[0].wrapped) == 3 and ctxs[0].fences == 3
     agt.wait(_Stream(0xB, device=1))
     assert len(ctxs[1].wrapped) == 1 and ctxs[1].fences == 1
 
