@@ -444,10 +444,10 @@ def _spin(stream: _PolledStream, ev: DeviceEvent, reactor: _Poller) -> bool:
 
     An await that ends here never yields to the loop, so a task awaiting short
     work again and again would keep every other task and timer of the loop
-    waiting. The spins of a *streak* (until the loop has let its other tasks
-    run, ``_arm``) so share ``ITERATION_S``, as
-    the reactor's wake-ups of one iteration do; past it the await goes through
-    the reactor, and so yields."""
+    waiting. So the spins of one *streak* (it lasts until the loop has let its
+    other tasks run: ``_arm``) share ``ITERATION_S``, as the reactor's wake-ups
+    of one iteration do; past it the await goes through the reactor, and so
+    yields."""
     now = _monotonic()
     streak = reactor.streak
     if not streak:
