@@ -23,6 +23,7 @@ taken out of asyncgpu's hands (``take_ptr``): ``memory`` counts the uses
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -116,27 +117,41 @@ class _Pins:
         _unpin(self.allocs)
 
 
+# Serial numbers of graph node operations (``GraphParams.serials``); ``next``
+# on a count is atomic under the GIL.
+_serials = itertools.count(1)
+
+
 class GraphParams:
     """One version of the parameters of a graph's nodes: ``ops[i]`` is node
     ``i``'s operation (``KernelOp``, ``CopyOp``, ``MemsetOp``, ``CpuOp``, or
     None for a join) and ``buffers[i]`` the buffers it names. Never changed
     once made (an update makes a new version), so a replay reads the one it
     was enqueued with however the graph is updated meanwhile. While it lives,
-    the memory of its buffers cannot be taken (``take_ptr``)."""
+    the memory of its buffers cannot be taken (``take_ptr``).
 
-    __slots__ = ("_pins", "buffers", "ops")
+    ``serials[i]`` names node ``i``'s operation, unique for the process: what
+    a device's instantiated graph records as the parameters it holds, so that
+    record keeps no operation, and no buffer, alive after the last replay
+    that uses it (the serials tuple is this version's identity)."""
+
+    __slots__ = ("_pins", "buffers", "ops", "serials")
 
     def __init__(
         self,
         ops: tuple[Any, ...],
         buffers: tuple[tuple[_BufferBase, ...], ...],
         pins: tuple[_Pins | None, ...] | None = None,
+        serials: tuple[int, ...] | None = None,
     ) -> None:
         self.ops = ops
         self.buffers = buffers
         if pins is None:
             pins = tuple(_Pins(bs) if bs else None for bs in buffers)
         self._pins = pins
+        if serials is None:
+            serials = tuple(next(_serials) for _ in ops)
+        self.serials = serials
 
     def replaced(self, index: int, op: Any, buffers: Sequence[Any]) -> GraphParams:
         """A new version: this one with node ``index``'s operation replaced."""
@@ -146,6 +161,7 @@ class GraphParams:
             (*self.ops[:index], op, *self.ops[j:]),
             (*self.buffers[:index], bufs, *self.buffers[j:]),
             (*self._pins[:index], _Pins(bufs) if bufs else None, *self._pins[j:]),
+            (*self.serials[:index], next(_serials), *self.serials[j:]),
         )
 
 

@@ -808,7 +808,7 @@ def test_a_failed_copy_raises_and_submits_nothing(stream: Stream, driver: Driver
 
 class _Graph:
     """What ``CudaStream.graph_launch`` reads of a device graph: its lock, the
-    parameters its driver graphs hold (``applied``), and ``launch`` (the Python
+    parameters its driver graphs hold (``applied``: their ``serials``), and ``launch`` (the Python
     path, which sets the replay's parameters first)."""
 
     def __init__(self, ops: object) -> None:
@@ -822,7 +822,7 @@ class _Graph:
 
 class _Params:
     def __init__(self, ops: object) -> None:
-        self.ops = ops
+        self.serials = ops
 
 
 def test_a_graph_launch_reaches_the_driver_in_one_compiled_call(
@@ -883,7 +883,7 @@ def test_other_parameters_or_a_held_stream_take_the_python_path(
     then has the graph make the call (``CudaGraph.launch``), queued while held."""
     graph = _Graph(("new",))
     old = _Params(("old",))
-    assert stream.s._graph_c(0xE0E, graph.lock, graph.applied, old.ops, None) is None
+    assert stream.s._graph_c(0xE0E, graph.lock, graph.applied, old.serials, None) is None
     assert driver.graph_launches == [] and stream.s._seq == 0
     assert _lock_is_free(graph.lock) and _lock_is_free(stream.s._submit_lock)
     stream.s.backend = type("B", (), {"make_current": lambda self: None})()
@@ -894,7 +894,7 @@ def test_other_parameters_or_a_held_stream_take_the_python_path(
 
     stream.s._pending = deque()
     same = _Params(("new",))
-    assert stream.s._graph_c(0xE0E, graph.lock, graph.applied, same.ops, None) is None
+    assert stream.s._graph_c(0xE0E, graph.lock, graph.applied, same.serials, None) is None
     stream.s.graph_launch(graph, "exe", 0xE0E, same)
     assert driver.graph_launches == [] and len(graph.launched) == 1
     (queued,) = (call for seq, call in stream.s._pending if seq == stream.s._seq)

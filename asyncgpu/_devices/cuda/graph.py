@@ -92,9 +92,10 @@ class CudaGraph:
         # made holding it (after the stream's submit lock, never before), which
         # the compiled launch (``StreamCore._graph_c``) takes without Python.
         self.lock = _accel.native.RLock()
-        # What the driver graphs hold: a list of one, which the compiled launch
-        # reads (None while partly set).
-        self.applied: list[tuple[Any, ...] | None] = [params.ops]
+        # What the driver graphs hold, as its ``GraphParams.serials`` (which,
+        # unlike its operations, keep no buffer alive): a list of one, which the
+        # compiled launch reads (None while partly set).
+        self.applied: list[tuple[int, ...] | None] = [params.serials]
 
     def replay(self, stream: CudaStream) -> DeviceEvent:
         """Enqueue one replay on ``stream`` (``cuGraphLaunch`` per device stage,
@@ -129,8 +130,8 @@ class CudaGraph:
         driver graphs since), under the graph's lock; the caller holds the
         stream's submit lock. Enqueues and returns."""
         with self.lock:
-            if self.applied[0] is not params.ops:
-                self._apply(params.ops)
+            if self.applied[0] is not params.serials:
+                self._apply(params)
             err = cu.cuGraphLaunch(exe, raw)[0]
         if err != _SUCCESS:
             raise _error(err, "cuGraphLaunch")
@@ -148,31 +149,31 @@ class CudaGraph:
         self.backend.make_current()
         with self.lock:
             new = self.params.replaced(index, op, buffers)
-            if self.applied[0] is self.params.ops:
+            if self.applied[0] is self.params.serials:
                 # The driver graphs hold the current version: only this node differs.
                 self.applied[0] = None  # (until set: a failure leaves it so)
                 carriers = self._exec_nodes.get(index)
                 if carriers is not None:
                     _set_params(carriers[0], carriers[1], op)
-                self.applied[0] = new.ops
+                self.applied[0] = new.serials
             else:
-                self._apply(new.ops)
+                self._apply(new)
             self.params = new
 
-    def _apply(self, ops: tuple[Any, ...]) -> None:
+    def _apply(self, params: GraphParams) -> None:
         """Set in the driver graphs the parameters of every node whose operation
-        in ``ops`` differs from what they hold, all of them when that is not
+        in ``params`` differs from what they hold, all of them when that is not
         known (under the lock; a failure leaves ``applied`` unknown, so the next
         launch sets its own version again)."""
         self.backend.make_current()
         was = self.applied[0]
         self.applied[0] = None
+        serials = params.serials
         for i, (exe, core_nodes) in self._exec_nodes.items():
-            op = ops[i]
-            if was is not None and was[i] is op:
+            if was is not None and was[i] == serials[i]:
                 continue
-            _set_params(exe, core_nodes, op)
-        self.applied[0] = ops
+            _set_params(exe, core_nodes, params.ops[i])
+        self.applied[0] = serials
 
 
 def _kernel_parts(op: KernelOp) -> tuple[Any, Any]:

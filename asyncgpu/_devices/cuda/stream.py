@@ -572,7 +572,7 @@ class CudaStream(_PolledStream):
         ``params``; else the graph makes the call (``CudaGraph.launch``, which
         sets them first)."""
         keep = (graph, params)
-        ev = self._graph_c(handle, graph.lock, graph.applied, params.ops, keep)
+        ev = self._graph_c(handle, graph.lock, graph.applied, params.serials, keep)
         if ev is not None:
             return ev  # type: ignore[return-value]
         self.backend.make_current()
