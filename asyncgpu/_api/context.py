@@ -619,7 +619,10 @@ class DeviceContext(native.ContextCore):
         architecture, cached on disk); a ``Kernel`` with a NumPy body or a Python
         function on the CPU device. ``dump_asm`` / ``dump_sass``: True keeps the PTX /
         SASS on the result (``.asm``, ``.sass``), a path writes it there. Compile
-        errors raise ``CompileError`` with the compiler's log."""
+        errors raise ``CompileError`` with the compiler's log. Blocks until the
+        kernel is compiled and loaded on the device (on CUDA ``cuFuncLoad``, so that
+        its first launch runs beside the kernels already running rather than after
+        them, as the driver's lazy loading would have it)."""
         self._check_open()
         opts = {
             "compile_options": compile_options,
@@ -654,7 +657,8 @@ class DeviceContext(native.ContextCore):
     def load_function(
         self, *, function_name: str, asm: str | bytes, func_attribute: FuncAttribute | None = None
     ) -> DeviceFunction:
-        """Load ``function_name`` from PTX text or a cubin (``cuLibraryLoadData``)."""
+        """Load ``function_name`` from PTX text or a cubin (``cuLibraryLoadData``,
+        then ``cuFuncLoad``); blocks until it is loaded on the device."""
         self._check_open()
         return self._state.backend.load(self, function_name, asm, func_attribute)
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _kernels import ADD_ONE, AXPY, FILL_INDEX, SCALE, blocks_for, poison, random_array
+from _kernels import (
+    ADD_ONE,
+    AXPY,
+    FILL_INDEX,
+    SCALE,
+    TRAP_AND_SPIN,
+    blocks_for,
+    poison,
+    random_array,
+)
 
 from asyncgpu import (
     ContextClosedError,
@@ -412,6 +421,30 @@ def test_func_attribute_numbers_are_cudas() -> None:
     for name in names:
         cuda_number = int(getattr(drv.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}"))
         assert getattr(FuncAttribute, name)(1).attribute == cuda_number, name
+
+
+def test_a_compiled_kernels_first_launch_runs_beside_running_kernels(
+    api: str, ctx: DeviceContext
+) -> None:
+    """``compile_function`` loads the kernel on the device: its first launch does
+    not wait, as the driver's lazy loading would have it, for the kernels
+    already running on other streams (here a 2 s spin) to finish."""
+    if api != "cuda":
+        pytest.skip("the CPU device runs each stream's work in order on its pool")
+    spin = ctx.compile_function(TRAP_AND_SPIN, "spin")
+    fresh = ctx.compile_function(
+        f'extern "C" __global__ void fresh_{id(ctx):x}(int *p) {{ *p = 1; }}', f"fresh_{id(ctx):x}"
+    )
+    out = ctx.enqueue_create_buffer(np.int32, 1)
+    ctx.synchronize()
+    khz = ctx.default_device_info.clock_rate_khz
+    running = ctx.create_stream().enqueue_function(
+        spin, np.int64(khz * 2000), grid_dim=1, block_dim=1
+    )
+    ctx.enqueue_function(fresh, out, grid_dim=1, block_dim=1).synchronize()
+    assert not running.query()  # the spin is still running
+    running.synchronize()
+    assert read(ctx, out)[0] == 1
 
 
 @pytest.mark.parametrize("api", ["cpu"])

@@ -48,7 +48,7 @@ from . import driver as _driver
 from .compiler import compile_cuda, dump_sass, write_dump
 from .driver import _SUCCESS, _check, _entry_point, _error, _memcpy_htod, _result_of
 from .graph import CudaGraph
-from .launch import _CudaFunction, _LaunchCfg
+from .launch import _CudaFunction, _LaunchCfg, load_now
 from .memory import (
     _STAGE_CHUNK,
     _STAGE_SLOTS,
@@ -703,6 +703,7 @@ class CudaBackend:
         self.make_current()
         self._wait_for_host_work(f"loading kernel {entry!r}")
         impl = _CudaFunction(ObjectCode.from_cubin(mod.cubin, name=entry), entry, mod.ptx)
+        load_now(impl)
         asm = write_dump(mod.ptx or "", dump_asm, ".ptx", name=entry) if dump_asm else None
         sass = None
         if options.get("dump_sass"):
@@ -731,6 +732,7 @@ class CudaBackend:
                 code = ObjectCode.from_ptx(data, name=function_name)
                 ptx = data.decode(errors="replace")
             impl = _CudaFunction(code, function_name, ptx)
+            load_now(impl)
         except Exception as e:
             raise CompileError(f"loading {function_name!r} failed: {e}") from e
         fn = DeviceExternalFunction(ctx, function_name, impl)

@@ -37,6 +37,7 @@ from ..._core.function import (
     kernel_arg_kind,
 )
 from ..._core.ops import check_kernel_buffer
+from .driver import _check
 
 _SHMEM_DEFAULT_LIMIT = 48 * 1024
 
@@ -70,6 +71,18 @@ class _CudaFunction(_accel.native.KernelCore):
         self.plans: dict[tuple[type, ...], _ArgPlan] = {}
         self.last = None  # the plan of the last launch (the one the compiled launch tries)
         self.shmem_optin = _SHMEM_DEFAULT_LIMIT
+
+
+def load_now(impl: _CudaFunction) -> None:
+    """Load ``impl``'s kernel into the current context now (``cuKernelGetFunction``,
+    then ``cuFuncLoad``; both return once it is loaded). Under the driver's lazy
+    module loading (CUDA 12.2 and later by default) a kernel is otherwise loaded
+    at its first launch, which waits for the kernels running on every stream of
+    the context: the first launch of a fresh kernel would start only once they
+    have finished, and not run beside them. Loading belongs to
+    ``compile_function`` and ``load_function``, which block anyway."""
+    fn = _check(cu.cuKernelGetFunction(impl.raw), "cuKernelGetFunction")
+    _check(cu.cuFuncLoad(fn), "cuFuncLoad")
 
 
 _PTX_TYPE = re.compile(r"\.(?:b|s|u|f)(8|16|32|64)\b")
