@@ -185,6 +185,7 @@ class TestOnTheGpu:
     def test_wait_covers_what_was_queued_on_the_stream_before_the_call(self, torch) -> None:
         s = torch.cuda.Stream()
         t = torch.zeros(1 << 12, device="cuda")
+        agt.wait(s).synchronize()  # (makes the process-wide context first: slower than SPIN)
         torch.cuda.synchronize()
         with torch.cuda.stream(s):
             torch.cuda._sleep(SPIN)

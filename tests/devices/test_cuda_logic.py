@@ -358,6 +358,20 @@ def test_an_abandoned_allocation_is_never_freed_even_when_its_last_reference_goe
     ctypes.pythonapi.Py_DecRef(ctypes.py_object(buf))  # the test's own clean-up
 
 
+def test_an_allocation_dropped_at_exit_without_a_release_is_abandoned(monkeypatch) -> None:
+    """The interpreter's teardown may free an allocation by a path that never
+    released it; at exit it is then abandoned (cuda.core's own free would run on
+    a stream the context's close destroyed). Before exit it is left as it was."""
+    buf = _Buf()
+    before = sys.getrefcount(buf)
+    _memory._DeviceAlloc(_ClosingBackend(), buf, None, 512)  # dropped at once, not exiting
+    assert sys.getrefcount(buf) == before
+    monkeypatch.setattr(_memory._BufferBase, "_exiting", True)
+    _memory._DeviceAlloc(_ClosingBackend(), buf, None, 512)
+    assert sys.getrefcount(buf) == before + 1 and buf.freed_on is None
+    ctypes.pythonapi.Py_DecRef(ctypes.py_object(buf))
+
+
 def test_a_free_that_fails_abandons_the_buffer_rather_than_leave_it_to_cuda_core() -> None:
     class _FailingBuf(_Buf):
         def close(self, stream: object) -> None:

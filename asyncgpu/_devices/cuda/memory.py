@@ -32,6 +32,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from ... import _accel
+from ..._core.memory import _BufferBase
 from ..._core.stream import _StreamImpl
 from .driver import _check
 
@@ -188,6 +189,17 @@ class _DeviceAlloc:
         buf, self.buf = self.buf, None
         if buf is not None:
             _incref(_obj(buf))
+
+    def __del__(self, _base: Any = _BufferBase) -> None:
+        # Dropped at interpreter exit still holding its memory, by a path that gave
+        # nothing back (an object the teardown frees without its finalizer): left
+        # to itself, cuda.core would free the memory on the stream it was allocated
+        # on, which a closed context has destroyed, and cuMemFreeAsync on a
+        # destroyed stream crashes the process inside the driver. The end of the
+        # process frees it instead. (``_base`` is bound as a default so that this
+        # works while the module is torn down.)
+        if self.buf is not None and _base._exiting:
+            self.abandon()
 
     def set_owner(self, stream: _StreamImpl) -> None:
         cs = getattr(stream, "cs", None)
