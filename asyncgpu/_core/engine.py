@@ -239,14 +239,21 @@ class _Poller:
         batch."""
         now = _monotonic()
         if self.woken:
-            per_task = max((now - self.woke_at) / self.woken, 1e-7)
-            self.batch = max(WAKE_MIN, min(WAKE_MAX, round(ITERATION_S / per_task)))
+            per_task = self._per_task((now - self.woke_at) / self.woken)
+            self.batch = max(WAKE_MIN, min(WAKE_MAX, round(ITERATION_S / max(per_task, 1e-7))))
         d = self.deferred
         n = min(self.batch, len(d))
         popleft = d.popleft
         self._wake([popleft() for _ in range(n)])
         self.woken = n
         self.woke_at = now
+
+    def _per_task(self, sample: float) -> float:
+        """The time per woken task that sizes the next batch, from ``sample``
+        (the time since the last batch was woken, per task woken): on asyncio
+        exactly that, as one loop iteration runs the batch's callback and the
+        reactor's next step in order."""
+        return sample
 
     def _wake(self, wakers: list[Any]) -> None:
         raise NotImplementedError
@@ -521,7 +528,7 @@ class _TrioReactor(_Poller):
     ``ITERATION_S`` bounds an asyncio loop iteration (trio fires a due timer
     only between batches)."""
 
-    __slots__ = ("kick", "running", "token", "trio")
+    __slots__ = ("kick", "per_task", "running", "token", "trio")
 
     def __init__(self, trio: Any) -> None:
         super().__init__()
@@ -529,6 +536,16 @@ class _TrioReactor(_Poller):
         self.token = trio.lowlevel.current_trio_token()
         self.kick: Any = None  # a trio.Event while parked
         self.running = False
+        self.per_task = 0.0
+
+    def _per_task(self, sample: float) -> float:
+        # Trio runs each batch of runnable tasks in random order, so the time
+        # between two steps of the reactor (one per batch) holds the tasks it
+        # woke last time only on average: one short sample would size a batch
+        # far too large, and that batch holds every due timer back (ticker lag).
+        # So the estimate rises at once and falls slowly.
+        est = self.per_task = max(sample, self.per_task * 0.9)
+        return est
 
     def add(self, stream: _PolledStream, ev: DeviceEvent) -> Any:
         """A ``trio.Event`` that this reactor sets once ``ev`` is done (from a task

@@ -238,3 +238,21 @@ async def test_many_awaiters_wait_on_the_reactor_not_each_polling_alone(
             assert len(reactor.pending.get(s, ())) >= 49  # type: ignore[attr-defined]
             s.done = 50
     assert woke == 50
+
+
+def test_the_trio_reactors_batch_estimate_rises_at_once_and_falls_slowly() -> None:
+    """Trio runs a batch of tasks in random order, so one reactor step's time per
+    woken task is only right on average; a short sample must not size a huge
+    batch (which would hold every due timer back), while a long one shrinks the
+    batch at once."""
+    trio = pytest.importorskip("trio")
+    from asyncgpu._core.engine import _TrioReactor
+
+    async def main() -> list[float]:
+        r = _TrioReactor(trio)
+        return [r._per_task(s) for s in (1e-5, 1e-7, 1e-7, 5e-5)]
+
+    first, short, shorter, long = trio.run(main)
+    assert first == 1e-5
+    assert short == pytest.approx(0.9e-5) and shorter == pytest.approx(0.81e-5)
+    assert long == 5e-5
