@@ -14,7 +14,11 @@ Rows (wall time per round trip, median):
   the same instantiated graph (its ``CUgraphExec``) on a stream of its own;
 * ``replay_host`` / ``raw_launch_host`` (the latter CUDA): host time of one
   ``replay()`` / one ``cuGraphLaunch`` call, the stream synchronized every
-  ``--batch`` calls (outside the timed calls);
+  ``--batch`` calls (outside the timed calls). The batch is small on purpose:
+  once a stream has a few dozen graphs of 100 kernels queued, the driver's
+  ``cuGraphLaunch`` blocks until one finishes, and the sample then times the
+  device's work, not the host's (with 50 per batch, a tenth of either side's
+  samples took a whole graph's run);
 * ``update_host``: host time of one ``graph.update`` of a kernel node's
   arguments (on CUDA one ``cuGraphExecKernelNodeSetParams``);
 * ``tasks_replay`` / ``tasks_enqueue``: ``--tasks`` asyncio tasks, each awaiting
@@ -228,7 +232,7 @@ def main() -> None:
     )
     p.add_argument("--kernels", type=int, default=100)
     p.add_argument("--repeats", type=int, default=None, help="default: 2000 on CUDA, 50 on CPU")
-    p.add_argument("--batch", type=int, default=50, help="host-time calls between syncs")
+    p.add_argument("--batch", type=int, default=8, help="host-time calls between syncs")
     p.add_argument("--tasks", type=int, default=1000, help="tasks awaiting small graphs")
     p.add_argument("--rounds", type=int, default=None, help="replays per task (default 20; CPU 2)")
     p.add_argument("--small", type=int, default=5, help="kernels in each task's graph")

@@ -21,7 +21,7 @@ Three pollers read those counters:
   one loop callback (``_wake_batch``) that finishes each ``DirectFuture`` (the
   extension's future) and runs its task's step at once.
 * ``_TrioReactor``: the same polling for one trio run, a system task of that
-  run, waking its awaits through ``trio.Event`` as many per batch of trio's
+  run, rescheduling its awaiting tasks as many per batch of trio's
   runnable tasks as fit in ``ITERATION_S``.
 * ``_Watcher``: one thread per process, for everything that is not an await
   (``add_done_callback``, CPU functions enqueued behind GPU
@@ -65,7 +65,11 @@ PARK_MAX_S = 0.008  # (a timer wake-up costs the OS and asyncio more CPU than a 
 FAULT_CHECK_S = 0.005  # ask the driver for sticky faults when idle this long
 WAKE_MIN = 8
 WAKE_MAX = 256
-INLINE_SPIN_S = 0.00003  # a lone asyncio awaiter spins inline this long before using the reactor
+# A lone awaiter spins inline at most this long (and within its streak's
+# ITERATION_S) before using the reactor: work that ends sooner is seen at once,
+# whereas the reactor sees it a loop iteration or two late (its poll, then the
+# wake-up's callback), which for a short device graph is a tenth of its time.
+INLINE_SPIN_S = 0.0002
 # A lone trio awaiter polls at each checkpoint this long before using the reactor:
 # longer than INLINE_SPIN_S, as it yields to the run's other tasks at each poll.
 TRIO_SPIN_S = 0.0001
@@ -453,18 +457,18 @@ def _spin(stream: _PolledStream, ev: DeviceEvent, reactor: _Poller) -> bool:
     work again and again would keep every other task and timer of the loop
     waiting. So the spins of one *streak* (it lasts until the loop has let its
     other tasks run: ``_arm``) share ``ITERATION_S``, as the reactor's wake-ups
-    of one iteration do; past it the await goes through the reactor, and so
-    yields."""
+    of one iteration do, and no spin runs past it; past it the await goes
+    through the reactor, and so yields."""
     now = _monotonic()
-    streak = reactor.streak
-    if not streak:
-        reactor.streak = now + ITERATION_S
+    end = reactor.streak
+    if not end:
+        end = reactor.streak = now + ITERATION_S
         reactor._arm()
-    elif now > streak:
+    elif now > end:
         return False
     completed = stream._completed
     seq = ev._seq
-    deadline = now + INLINE_SPIN_S
+    deadline = min(now + INLINE_SPIN_S, end)
     while completed() < seq:
         if _monotonic() > deadline:
             return False
@@ -481,9 +485,10 @@ def polled_future(
 
     The inline spin happens only for a lone awaiter (the reactor has no other
     await pending and no wake-up queued) whose work is in the driver's hands. It
-    lasts at most ``INLINE_SPIN_S``, about the time a short kernel takes to come
-    back, so another task ready meanwhile waits at most that long: a small part
-    of the reactor's own budget per loop iteration (``ITERATION_S``). It asks the
+    lasts at most ``INLINE_SPIN_S`` and never past its streak's share of the
+    reactor's own budget per loop iteration (``ITERATION_S``), so another task
+    ready meanwhile waits no longer than a reactor's batch of wake-ups makes it
+    wait. It asks the
     loop nothing: an asyncio loop's ready queue is private (``_ready``, which
     uvloop does not have), and with many awaiters the reactor, not the spin,
     wakes them, so the loop's other tasks keep their turn.
@@ -522,11 +527,11 @@ _last: tuple[Any, Any] = (None, None)
 class _TrioReactor(_Poller):
     """The poller of one trio run, a system task of that run, through trio's
     public low-level API (``spawn_system_task``, ``checkpoint``,
-    ``current_trio_token``, ``RunVar``). Its wakers are ``trio.Event``: setting
-    one puts its task into trio's next batch of runnable tasks, so waking
-    ``batch`` of them per step bounds how long that batch runs, as
-    ``ITERATION_S`` bounds an asyncio loop iteration (trio fires a due timer
-    only between batches)."""
+    ``current_trio_token``, ``RunVar``, ``wait_task_rescheduled``,
+    ``reschedule``). Its wakers are ``_TrioWaker``: waking one reschedules its
+    task into trio's next batch of runnable tasks, so waking ``batch`` of them
+    per step bounds how long that batch runs, as ``ITERATION_S`` bounds an
+    asyncio loop iteration (trio fires a due timer only between batches)."""
 
     __slots__ = ("kick", "per_task", "running", "token", "trio")
 
@@ -547,10 +552,11 @@ class _TrioReactor(_Poller):
         est = self.per_task = max(sample, self.per_task * 0.9)
         return est
 
-    def add(self, stream: _PolledStream, ev: DeviceEvent) -> Any:
-        """A ``trio.Event`` that this reactor sets once ``ev`` is done (from a task
-        of the run, the only place that calls it)."""
-        done = self.trio.Event()
+    def add(self, stream: _PolledStream, ev: DeviceEvent) -> _TrioWaker:
+        """A waker of the calling task that this reactor wakes once ``ev`` is done
+        (from a task of the run, the only place that calls it); the task then
+        waits in ``wait_task_rescheduled(waker.abort)``."""
+        done = _TrioWaker(self.trio.lowlevel.current_task())
         self._insert(stream, ev._seq, ev, done)
         if not self.running:
             self.running = True
@@ -571,11 +577,15 @@ class _TrioReactor(_Poller):
         pass
 
     def _wake(self, wakers: list[Any]) -> None:
-        for done in wakers:
-            done.set()
+        reschedule = self.trio.lowlevel.reschedule
+        for w in wakers:
+            task = w.task
+            if task is not None:  # (None: its wait was cancelled)
+                w.task = None
+                reschedule(task)
 
-    def _wake_now(self, done: Any) -> None:
-        done.set()
+    def _wake_now(self, w: Any) -> None:
+        self._wake([w])
 
     async def _yield(self) -> None:
         await self.trio.lowlevel.checkpoint()
@@ -600,6 +610,25 @@ class _TrioReactor(_Poller):
             self.kick = None
 
 
+class _TrioWaker:
+    """One trio task waiting in ``trio.lowlevel.wait_task_rescheduled`` for its
+    event: the reactor reschedules ``task`` once the event is done, unless a
+    cancellation has taken the task back first (``abort``), which leaves
+    ``task`` None. (A ``trio.Event`` per await would do the same through a
+    parking lot, at several times the cost per await.)"""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: Any) -> None:
+        self.task: Any = task
+
+    def abort(self, raise_cancel: Any) -> Any:
+        # The reactor still holds this waker in its queue; it is skipped when its
+        # event is done. trio raises the cancellation in the task.
+        self.task = None
+        return sys.modules["trio"].lowlevel.Abort.SUCCEEDED
+
+
 _trio_reactor_var: Any = None  # a trio.lowlevel.RunVar, made on the first trio await
 
 
@@ -621,9 +650,10 @@ async def trio_wait(stream: _PolledStream, ev: DeviceEvent) -> None:
     once already): a lone awaiter whose work is in the driver's hands spins as
     an asyncio one does (``INLINE_SPIN_S``), then polls the stream at each
     ``trio.lowlevel.checkpoint`` for ``TRIO_SPIN_S`` (other tasks run at each
-    one), then, as every other awaiter, waits on a
-    ``trio.Event`` that the run's reactor sets. Cancellable at every step
-    (a cancel scope, ``trio.move_on_after``); the work is never cancelled."""
+    one), then, as every other awaiter, waits in
+    ``trio.lowlevel.wait_task_rescheduled`` until the run's reactor reschedules
+    it. Cancellable at every step (a cancel scope, ``trio.move_on_after``); the
+    work is never cancelled."""
     trio = sys.modules["trio"]
     reactor = _trio_reactor(trio)
     if _lone(stream, ev, reactor):
@@ -643,7 +673,7 @@ async def trio_wait(stream: _PolledStream, ev: DeviceEvent) -> None:
         finally:
             reactor.polling -= 1
     try:
-        await reactor.add(stream, ev).wait()
+        await trio.lowlevel.wait_task_rescheduled(reactor.add(stream, ev).abort)
     finally:
         reactor._end_streak()
 

@@ -54,13 +54,27 @@ def _report_callback_error(fn: Any, e: BaseException) -> None:
 def _await_event(ev: DeviceEvent) -> Generator[Any, None, Any]:
     """What the compiled await (``EventCore.__await__``, ``configure_await``)
     hands back to Python: an event never recorded on a stream (an error), and an
-    await with no running asyncio loop (trio, through ``_await_other``). Every
+    await with no running asyncio loop (trio: the stream's ``_trio_wait``). Every
     other await (done at once, done after one poll, the reactor's future of the
     running asyncio loop) stays in C."""
-    if ev._stream is None:
+    stream = ev._stream
+    if stream is None:
         raise AsyncGPUError("this event was never recorded on a stream")
-    yield from _await_other(ev).__await__()
+    yield from _trio_waiting(stream, ev)
     return ev._outcome()
+
+
+def _trio_waiting(stream: Any, ev: DeviceEvent) -> Generator[Any, None, Any]:
+    """Await outside asyncio: under trio, the iterator of the stream's
+    ``_trio_wait`` itself (not a coroutine around it: each layer of coroutines
+    costs every resumption of the await a frame)."""
+    trio = sys.modules.get("trio")
+    if trio is None or not trio.lowlevel.in_trio_task():
+        raise AsyncGPUError(
+            "awaiting a DeviceEvent needs a running asyncio event loop (asyncio, uvloop, "
+            "anyio's asyncio backend) or trio in this thread"
+        )
+    return stream._trio_wait(ev).__await__()  # type: ignore[no-any-return]
 
 
 def _await_future(ev: DeviceEvent, fut: Any) -> Generator[Any, None, Any]:
@@ -182,7 +196,7 @@ class DeviceEvent(native.EventCore):
         loop = _get_running_loop()
         if loop is not None:
             return stream._future(self, loop)
-        return _await_other(self).__await__()
+        return _trio_waiting(stream, self)
 
     def _wait_blocking(self) -> None:
         if not self._done:
@@ -306,21 +320,6 @@ def _loop_waiter(ev: DeviceEvent, loop: asyncio.AbstractEventLoop) -> _LoopWaite
     """Register an asyncio waiter on a push-completed event (None: already done)."""
     w = _LoopWaiter(loop)
     return w if ev._add_waiter(w) else None
-
-
-async def _await_other(ev: DeviceEvent) -> None:
-    """Await outside asyncio: under trio, the stream's ``_trio_wait``."""
-    trio = sys.modules.get("trio")
-    try:
-        if trio is None:
-            raise RuntimeError
-        trio.lowlevel.current_task()  # (RuntimeError outside a trio task)
-    except RuntimeError:
-        raise AsyncGPUError(
-            "awaiting a DeviceEvent needs a running asyncio event loop (asyncio, uvloop, "
-            "anyio's asyncio backend) or trio in this thread"
-        ) from None
-    await ev._stream._trio_wait(ev)
 
 
 async def _trio_wait_pushed(ev: DeviceEvent) -> None:

@@ -14,6 +14,7 @@ the host can touch the memory, else ``None``) and ``_kind``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -366,22 +367,14 @@ class _BufferBase(native.BufferCore):
     def _release_memory(self) -> None:
         """The buffer is being dropped: give its memory back, if it owns any."""
         alloc = self._alloc
-        if not self._owns or alloc is None:
+        if not self._owns or alloc is None or self._exiting:
+            # (At interpreter exit nothing is given back: the end of the process
+            # frees the memory, and the streams and pools a release would go
+            # through may be gone. The allocation, dropped with the buffer, decides
+            # what its own teardown may safely do.)
             return
-        try:
-            if self._exiting:
-                # The process is ending: its end frees the memory. A cuda.core
-                # buffer left to itself would free on the stream it was allocated
-                # on, destroyed by now if the context closed (cuMemFreeAsync on a
-                # destroyed stream can crash the teardown), so the allocation is
-                # abandoned instead.
-                abandon = getattr(alloc, "abandon", None)
-                if abandon is not None:
-                    abandon()
-            else:
-                alloc.release(self._owner)
-        except Exception:  # a finalizer has nobody to raise to
-            pass
+        with contextlib.suppress(Exception):  # a finalizer has nobody to raise to
+            alloc.release(self._owner)
 
     def __repr__(self) -> str:
         return (

@@ -168,6 +168,54 @@ async def test_given_up_awaits_leave_the_others_to_wake(anyio_backend: object) -
     assert ev._done
 
 
+async def test_awaits_given_up_while_queued_on_the_reactor_are_skipped_when_it_wakes(
+    anyio_backend: object,
+) -> None:
+    """Twenty tasks wait on the reactor for one operation; ten of them are
+    cancelled there (their cancel scopes) before it finishes, and go on to wait
+    for something else. The counter then passes it: the reactor wakes the other
+    ten and leaves the ten given up alone (under trio, rescheduling a task that
+    has left its wait would end its next wait early)."""
+    s = RecordingStream()
+    ev = s.submit()
+    scopes: list[anyio.CancelScope] = []
+    later = anyio.Event()
+    woke = cancelled = early = 0
+
+    async def wait() -> None:
+        nonlocal woke, cancelled, early
+        with anyio.CancelScope() as scope:
+            scopes.append(scope)
+            await ev
+            woke += 1
+        if scope.cancelled_caught:
+            cancelled += 1
+            await later.wait()
+            early += not later.is_set()
+
+    reactor = _reactor(anyio_backend)
+    with anyio.fail_after(TIMEOUT_S):
+        async with anyio.create_task_group() as tg:
+            for _ in range(20):
+                tg.start_soon(wait)
+            while len(scopes) < 20:
+                await checkpoint(anyio_backend)
+            await checkpoint(anyio_backend)
+            assert len(reactor.pending.get(s, ())) >= 19  # type: ignore[attr-defined]
+            for scope in scopes[::2]:
+                scope.cancel()
+            while cancelled < 10:
+                await checkpoint(anyio_backend)
+            s.done = 1
+            while woke < 10:
+                await checkpoint(anyio_backend)
+            for _ in range(3):
+                await checkpoint(anyio_backend)
+            later.set()
+    assert (woke, cancelled, early) == (10, 10, 0)
+    assert ev._done
+
+
 async def test_an_event_failed_short_of_the_counter_wakes_its_awaiters(
     anyio_backend: object,
 ) -> None:
