@@ -3,7 +3,8 @@ throughput case (ours only) on each loop, counted and profiled.
 
 For each loop: ops/s of a few plain rounds; then one round with the reactor's
 steps counted (polls, polls that moved nothing, batches woken and their sizes,
-parks, lone awaiters' spins and how many ended in the spin); then one round
+parks, lone awaiters' spins and how many ended in the spin, the garbage
+collector's passes and pauses); then one round
 under ``cProfile`` (its ops/s are the profiler's, not the loop's), whose top
 functions by own time are printed.
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import bench_loops as B
+from _harness import GcRecorder
 
 from asyncgpu._core import engine
 
@@ -141,7 +143,7 @@ def main() -> None:
                 out[name] = {"unavailable": str(e)}
                 continue
             rates = [_rate(loop, t, p) for _ in range(a.rounds)]
-            with _Counts() as counts:
+            with _Counts() as counts, GcRecorder() as gcs:
                 counted = _rate(loop, t, p)
             prof = cProfile.Profile()
             prof.enable()
@@ -155,13 +157,15 @@ def main() -> None:
                 "ops_per_s_counted": counted,
                 "ops_per_s_profiled": profiled,
                 "counts": counts.summary((p.tasks + 64) * p.per_task),
+                "gc": gcs.metrics(),
                 "profile": text.getvalue(),
                 # (a thread that wants the GIL makes every release of it, such as a
                 # launch's driver call, cost the loop's thread a switch)
                 "threads": sorted(th.name for th in threading.enumerate()),
             }
             out[name] = row
-            print(f"== {name}: {row['ops_per_s']:.0f} ops/s {row['counts']} {row['threads']}")
+            print(f"== {name}: {row['ops_per_s']:.0f} ops/s {row['counts']} {row['gc']}")
+            print(f"   threads: {row['threads']}")
             print(row["profile"])
     finally:
         t.close()
