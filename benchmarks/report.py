@@ -58,8 +58,11 @@ def _f(v: float | None, fmt: str = "{:.1f}") -> str:
 def render(doc: dict[str, Any]) -> str:
     res = doc["results"]
     env = doc["environment"]
+    device = env.get("device")
+    # (a run without a GPU records why there is none, a string, in place of the device)
+    name = device.get("name", "?") if isinstance(device, dict) else "no GPU"
     out = [
-        f"Run of {doc['started_at']} on {(env.get('device') or {}).get('name', '?')}, driver "
+        f"Run of {doc['started_at']} on {name}, driver "
         f"{env.get('nvml_driver_version')} (CUDA {env.get('driver_cuda_version')}), python "
         f"{env.get('python')}; command `python benchmarks/run.py --device --json ...` "
         "through `benchmarks/device_run.sh`.",

@@ -388,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats and smaller sizes")
     ap.add_argument("--json", metavar="PATH", help="write the full results here")
     ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument(
+        "--skip-cpu-loops",
+        action="store_true",
+        help="leave out the loops on the CPU device and the stand-in clock (CPU figures, "
+        "about a minute): for a device call that must also hold the test cases",
+    )
     a = ap.parse_args(argv)
 
     import bench_cpu
@@ -401,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         ("loops_cpu", "loops", lambda: bench_loops.section("cpu", a.quick)),
         ("loops_emulated", "loops", lambda: bench_loops.section("emulated", a.quick)),
     ]
+    if a.skip_cpu_loops:
+        steps = [s for s in steps if s[0] not in ("loops_cpu", "loops_emulated")]
     results: list[H.CaseResult] = []
     env = H.environment_info(probe_gpu=a.device)
     started = H.utc_now()

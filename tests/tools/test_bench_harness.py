@@ -309,6 +309,25 @@ def test_the_report_leaves_out_the_sweep_of_a_run_that_has_none():
     assert "wake-up budget" not in report.render(doc)
 
 
+def test_the_suite_can_leave_out_its_cpu_loop_sections_and_still_be_reported(tmp_path):
+    """``run.py --skip-cpu-loops`` (what a device call that also holds the test
+    cases passes) runs without the loops on the CPU device and the stand-in
+    clock, and a run without a GPU still renders, saying so."""
+    import report
+
+    out = tmp_path / "r.json"
+    subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--quick", "--skip-cpu-loops", "--json", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    doc = json.loads(out.read_text())
+    assert "cpu_functions" in doc["results"]
+    assert not {"loops_cpu", "loops_emulated"} & set(doc["results"])
+    assert report.render(doc).startswith(f"Run of {doc['started_at']} on no GPU")
+
+
 def test_the_pytorch_serving_benchmark_runs_a_tiny_configuration(tmp_path):
     """``benchmarks/bench_torch_serving.py --quick``: every waiting strategy on
     one loop, checked results, a record that says whether a GPU ran it."""
