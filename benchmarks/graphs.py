@@ -17,8 +17,8 @@ Rows (wall time per round trip, median):
   ``--batch`` calls (outside the timed calls). The batch is small on purpose:
   once a stream has a few dozen graphs of 100 kernels queued, the driver's
   ``cuGraphLaunch`` blocks until one finishes, and the sample then times the
-  device's work, not the host's (with 50 per batch, a tenth of either side's
-  samples took a whole graph's run);
+  device's work, not the host's (with 50 per batch, over a tenth of either
+  side's samples took a whole graph's run);
 * ``update_host``: host time of one ``graph.update`` of a kernel node's
   arguments (on CUDA one ``cuGraphExecKernelNodeSetParams``);
 * ``tasks_replay`` / ``tasks_enqueue``: ``--tasks`` asyncio tasks, each awaiting

@@ -171,9 +171,6 @@ class _Stream:
         self.calls: list[Any] = []
         self.held: list[Any] | None = None
 
-    def _graph_c(self, *args: Any) -> None:
-        return None  # (the compiled launch declines: the stream's own path takes it)
-
     def graph_launch(self, graph: Any, exe: Any, handle: int, params: Any) -> str:
         assert handle == int(exe)
         self.calls.append(("launch", exe))

@@ -106,13 +106,6 @@ class CudaGraph:
         params = self.params
         single = self._single
         if single is not None:
-            # (the stream's compiled launch straight away: a replay's host time
-            # is a few microseconds, and a Python frame is a few percent of it)
-            done = stream._graph_c(
-                self._single_h, self.lock, self.applied, params.serials, (self, params)
-            )
-            if done is not None:
-                return done  # type: ignore[return-value]
             return stream.graph_launch(self, single, self._single_h, params)
         errors: list[BaseException] = []
         ev: DeviceEvent | None = None
