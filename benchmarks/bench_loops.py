@@ -199,11 +199,14 @@ class ClockStream(_PolledStream):
             self.reached = marks.popleft()[0]
         return self.reached
 
-    def submit(self, duration: float) -> DeviceEvent:
+    def submit(self, duration: float, latency: float = 0.0) -> DeviceEvent:
+        """An operation taking ``duration`` that ends no sooner than ``latency``
+        after its submission (a GPU's launch-to-completion time)."""
         with self._submit_lock:
             self._before_submit()
             self._seq += 1
-            self.busy_until = max(time.perf_counter(), self.busy_until) + duration
+            now = time.perf_counter()
+            self.busy_until = max(now + latency, max(now, self.busy_until) + duration)
             ev = DeviceEvent(self, self._seq)
             self._inflight.append(ev)
             if self._eager:
@@ -212,17 +215,26 @@ class ClockStream(_PolledStream):
 
 
 class EmulatedTarget:
-    """Polled streams on the clock (``ClockStream``): an operation takes 8 us."""
+    """Polled streams on the clock (``ClockStream``): an operation takes
+    ``op_s`` (8 us), ends no sooner than ``latency_s`` after its submission,
+    and its launch costs the host ``launch_s`` of busy time (both 0 unless
+    asked for: ``profile_loop_throughput.py``'s ``--stand-in-*`` options)."""
 
     name = "emulated"
     has_host_callback = False
-    OP_S = 8e-6
 
-    def __init__(self, streams: int) -> None:
+    def __init__(
+        self, streams: int, op_s: float = 8e-6, latency_s: float = 0.0, launch_s: float = 0.0
+    ) -> None:
         self.streams = [ClockStream() for _ in range(streams)]
+        self.op_s, self.latency_s, self.launch_s = op_s, latency_s, launch_s
 
     def launch(self, k: int = 0) -> DeviceEvent:
-        return self.streams[k].submit(self.OP_S)
+        if self.launch_s:
+            end = time.perf_counter() + self.launch_s
+            while time.perf_counter() < end:
+                pass
+        return self.streams[k].submit(self.op_s, self.latency_s)
 
     def blocking_once(self) -> None:
         self.launch().synchronize()

@@ -54,6 +54,8 @@ from .._accel import native
 from .event import _set_future
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from .event import DeviceEvent
     from .protocols import PolledStream as _PolledStream
 
@@ -552,19 +554,17 @@ class _TrioReactor(_Poller):
         est = self.per_task = max(sample, self.per_task * 0.9)
         return est
 
-    def add(self, stream: _PolledStream, ev: DeviceEvent) -> _TrioWaker:
-        """A waker of the calling task that this reactor wakes once ``ev`` is done
-        (from a task of the run, the only place that calls it); the task then
-        waits in ``wait_task_rescheduled(waker.abort)``."""
-        done = _TrioWaker(self.trio.lowlevel.current_task())
-        self._insert(stream, ev._seq, ev, done)
+    def add(self, stream: _PolledStream, ev: DeviceEvent, waker: _TrioWaker) -> None:
+        """Have this reactor wake ``waker`` once ``ev`` is done (from a task of the
+        run, the only place that calls it); the task then waits in
+        ``wait_task_rescheduled(waker.abort)``."""
+        self._insert(stream, ev._seq, ev, waker)
         if not self.running:
             self.running = True
             self.trio.lowlevel.spawn_system_task(self._poll_loop, name="asyncgpu-reactor")
         elif self.kick is not None:
             self.kicked = True  # as the asyncio reactor's add
             self.kick.set()
-        return done
 
     def _wake_from(self, key: tuple[_PolledStream, int]) -> None:
         with contextlib.suppress(self.trio.RunFinishedError):  # the run is over
@@ -645,37 +645,60 @@ def _trio_reactor(trio: Any) -> _TrioReactor:
         return r
 
 
-async def trio_wait(stream: _PolledStream, ev: DeviceEvent) -> None:
+def trio_wait(
+    stream: _PolledStream, ev: DeviceEvent, outcome: bool = True
+) -> Generator[Any, None, Any]:
     """The trio await of a polled stream (its ``_trio_wait``; the stream was asked
-    once already): a lone awaiter whose work is in the driver's hands spins as
-    an asyncio one does (``INLINE_SPIN_S``), then polls the stream at each
+    once already), as the iterator that the event's ``__await__`` hands trio: it
+    returns the event's outcome (``outcome``), else None.
+
+    A lone awaiter whose work is in the driver's hands spins as an asyncio one
+    does (``INLINE_SPIN_S``), then polls the stream at each
     ``trio.lowlevel.checkpoint`` for ``TRIO_SPIN_S`` (other tasks run at each
     one), then, as every other awaiter, waits in
     ``trio.lowlevel.wait_task_rescheduled`` until the run's reactor reschedules
     it. Cancellable at every step (a cancel scope, ``trio.move_on_after``); the
-    work is never cancelled."""
-    trio = sys.modules["trio"]
-    reactor = _trio_reactor(trio)
-    if _lone(stream, ev, reactor):
-        if _spin(stream, ev, reactor):
-            return
-        checkpoint = trio.lowlevel.checkpoint
+    work is never cancelled.
+
+    A plain generator rather than a coroutine, so that trio resumes one frame of
+    ours per step instead of the event's await around a coroutine around it; the
+    usual case of ``_TrioReactor.add`` (behind the awaits pending on the same
+    stream while the reactor runs) is inline, as in ``polled_future``."""
+    lowlevel = sys.modules["trio"].lowlevel
+    var = _trio_reactor_var
+    try:
+        reactor: _TrioReactor = var.get()  # type: ignore[union-attr]
+    except (LookupError, AttributeError):  # (AttributeError: no run has awaited yet)
+        reactor = _trio_reactor(sys.modules["trio"])
+    if not reactor.pending and _lone(stream, ev, reactor) and not _spin(stream, ev, reactor):
+        checkpoint = lowlevel.checkpoint
         deadline = _monotonic() + TRIO_SPIN_S
         reactor.polling += 1  # (so the run's other awaiters go to the reactor)
         try:
             while True:
-                await checkpoint()
-                reactor._end_streak()  # (the run's other tasks have had their turn)
-                if ev.query():
-                    return
-                if reactor.pending or _monotonic() > deadline:
+                yield from checkpoint().__await__()
+                reactor.streak = 0.0  # (the run's other tasks have had their turn)
+                if ev.query() or reactor.pending or _monotonic() > deadline:
                     break
         finally:
             reactor.polling -= 1
-    try:
-        await trio.lowlevel.wait_task_rescheduled(reactor.add(stream, ev).abort)
-    finally:
-        reactor._end_streak()
+    if not ev._done:
+        waker = _TrioWaker(lowlevel.current_task())
+        awaits = reactor.pending.get(stream)
+        if (
+            awaits is not None
+            and awaits[-1][0] <= ev._seq
+            and reactor.running
+            and reactor.kick is None
+        ):
+            awaits.append((ev._seq, ev, waker))
+        else:
+            reactor.add(stream, ev, waker)
+        try:
+            yield from lowlevel.wait_task_rescheduled(waker.abort).__await__()
+        finally:
+            reactor.streak = 0.0
+    return ev._outcome() if outcome else None
 
 
 # -- the watcher thread -------------------------------------------------------------

@@ -54,27 +54,28 @@ def _report_callback_error(fn: Any, e: BaseException) -> None:
 def _await_event(ev: DeviceEvent) -> Generator[Any, None, Any]:
     """What the compiled await (``EventCore.__await__``, ``configure_await``)
     hands back to Python: an event never recorded on a stream (an error), and an
-    await with no running asyncio loop (trio: the stream's ``_trio_wait``). Every
-    other await (done at once, done after one poll, the reactor's future of the
-    running asyncio loop) stays in C."""
+    await with no running asyncio loop (trio: the iterator of the stream's
+    ``_trio_wait``, which returns the outcome). Every other await (done at once,
+    done after one poll, the reactor's future of the running asyncio loop) stays
+    in C."""
     stream = ev._stream
     if stream is None:
         raise AsyncGPUError("this event was never recorded on a stream")
-    yield from _trio_waiting(stream, ev)
-    return ev._outcome()
+    return _trio_waiting(stream, ev, True)
 
 
-def _trio_waiting(stream: Any, ev: DeviceEvent) -> Generator[Any, None, Any]:
-    """Await outside asyncio: under trio, the iterator of the stream's
-    ``_trio_wait`` itself (not a coroutine around it: each layer of coroutines
-    costs every resumption of the await a frame)."""
+def _trio_waiting(stream: Any, ev: DeviceEvent, outcome: bool) -> Generator[Any, None, Any]:
+    """Await outside asyncio: under trio, the stream's ``_trio_wait`` iterator
+    itself (a plain generator: each layer of coroutines around it would cost
+    every resumption of the await a frame), which returns the event's outcome
+    when ``outcome``, else None."""
     trio = sys.modules.get("trio")
     if trio is None or not trio.lowlevel.in_trio_task():
         raise AsyncGPUError(
             "awaiting a DeviceEvent needs a running asyncio event loop (asyncio, uvloop, "
             "anyio's asyncio backend) or trio in this thread"
         )
-    return stream._trio_wait(ev).__await__()  # type: ignore[no-any-return]
+    return stream._trio_wait(ev, outcome)  # type: ignore[no-any-return]
 
 
 def _await_future(ev: DeviceEvent, fut: Any) -> Generator[Any, None, Any]:
@@ -196,7 +197,7 @@ class DeviceEvent(native.EventCore):
         loop = _get_running_loop()
         if loop is not None:
             return stream._future(self, loop)
-        return _trio_waiting(stream, self)
+        return _trio_waiting(stream, self, False)
 
     def _wait_blocking(self) -> None:
         if not self._done:

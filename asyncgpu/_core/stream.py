@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -282,9 +282,11 @@ class _StreamImpl:
         w = _loop_waiter(ev, loop)
         return w.fut if w is not None else None
 
-    async def _trio_wait(self, ev: DeviceEvent) -> None:
-        """Under trio, wait until ``ev`` is done (the stream was asked once)."""
-        await _trio_wait_pushed(ev)
+    def _trio_wait(self, ev: DeviceEvent, outcome: bool = True) -> Generator[Any, None, Any]:
+        """Under trio, wait until ``ev`` is done (the stream was asked once); then
+        return its outcome (``outcome``), else None."""
+        yield from _trio_wait_pushed(ev).__await__()
+        return ev._outcome() if outcome else None
 
     def _elapsed_ms(self, start: DeviceEvent, end: DeviceEvent) -> float:
         t0 = start._timing

@@ -3,13 +3,19 @@ throughput case (ours only) on each loop, counted and profiled.
 
 For each loop: ops/s of a few plain rounds; then one round with the reactor's
 steps counted (polls, polls that moved nothing, batches woken and their sizes,
-parks, lone awaiters' spins and how many ended in the spin, the garbage
-collector's passes and pauses); then one round
+parks, reactor starts, lone awaiters' spins and how many ended in the spin, the
+time per await in the reactor's polls and wake-ups; under trio, trio's own
+count of task steps and scheduler passes per await; the garbage collector's
+passes and pauses); then one round
 under ``cProfile`` (its ops/s are the profiler's, not the loop's), whose top
 functions by own time are printed.
 
     python benchmarks/diagnostics/profile_loop_throughput.py --target cuda \\
         [--loops asyncio,uvloop,trio] [--top 25] [--json OUT.json]
+
+The ``emulated`` target can be made more like a GPU: ``--stand-in-latency-us``
+(an operation ends no sooner than this after its submission, so every await
+waits), ``--stand-in-launch-us`` (host time per launch), ``--stand-in-op-us``.
 
 A diagnostic (the device machine has no sampling profiler); figures of the
 ``emulated`` and ``cpu`` targets are CPU figures of the machine that ran them.
@@ -27,6 +33,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,7 @@ class _Counts:
     def __init__(self) -> None:
         self.c: Counter[str] = Counter()
         self.batches: list[int] = []
+        self.spent: Counter[str] = Counter()  # seconds in the reactor's polls and wakes
         self.undo: list[Any] = []
 
     def wrap(self, cls: Any, name: str, body: Any) -> None:
@@ -70,9 +78,14 @@ class _Counts:
     def __enter__(self) -> _Counts:
         c, batches = self.c, self.batches
 
+        clock = time.perf_counter
+        spent = self.spent
+
         def poll(orig: Any) -> Any:
             def f(self: Any) -> bool:
+                t0 = clock()
                 moved = orig(self)
+                spent["poll_s"] += clock() - t0
                 c["polls"] += 1
                 c["polls_moved" if moved else "polls_idle"] += 1
                 return moved  # type: ignore[no-any-return]
@@ -82,7 +95,9 @@ class _Counts:
         def wake(orig: Any) -> Any:
             def f(self: Any, wakers: list[Any]) -> None:
                 batches.append(len(wakers))
+                t0 = clock()
                 orig(self, wakers)
+                spent["wake_s"] += clock() - t0
 
             return f
 
@@ -93,10 +108,18 @@ class _Counts:
 
             return f
 
+        def started(orig: Any) -> Any:
+            async def f(self: Any) -> None:
+                c["reactor_starts"] += 1
+                await orig(self)
+
+            return f
+
         for cls in (engine._Reactor, engine._TrioReactor):
             self.wrap(cls, "_wake", wake)
             self.wrap(cls, "_park", park)
         self.wrap(engine._Poller, "_poll_once", poll)
+        self.wrap(engine._Poller, "_poll_loop", started)
         spin = engine._spin
 
         def counted_spin(stream: Any, ev: Any, reactor: Any) -> bool:
@@ -121,6 +144,34 @@ class _Counts:
             "batch_mean": statistics.fmean(b) if b else 0.0,
             "batch_median": statistics.median(b) if b else 0.0,
             "polls_per_op": self.c["polls"] / ops,
+            # the reactor's own cost per await: its polls, and handing woken tasks
+            # to the loop (asyncio: a callback; trio: rescheduling each task)
+            "poll_us_per_op": self.spent["poll_s"] / ops * 1e6,
+            "wake_us_per_op": self.spent["wake_s"] / ops * 1e6,
+        }
+
+
+class _TrioSteps:
+    """A trio instrument: the run's task steps (per task name) and its passes
+    through the scheduler (one I/O check each, then a batch of runnable tasks)."""
+
+    def __init__(self) -> None:
+        self.steps: Counter[str] = Counter()
+        self.passes = 0
+
+    def before_task_step(self, task: Any) -> None:
+        self.steps[task.name] += 1
+
+    def after_io_wait(self, timeout: float) -> None:
+        self.passes += 1
+
+    def summary(self, ops: int) -> dict[str, Any]:
+        total = sum(self.steps.values())
+        reactor = sum(v for k, v in self.steps.items() if "asyncgpu" in k)
+        return {
+            "task_steps_per_op": total / ops,
+            "reactor_steps_per_op": reactor / ops,
+            "scheduler_passes_per_op": self.passes / ops,
         }
 
 
@@ -131,10 +182,36 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--stand-in-op-us", type=float, default=8.0, help="emulated: an operation's time"
+    )
+    ap.add_argument(
+        "--stand-in-latency-us",
+        type=float,
+        default=0.0,
+        help="emulated: the least time from an operation's submission to its end",
+    )
+    ap.add_argument(
+        "--stand-in-launch-us", type=float, default=0.0, help="emulated: a launch's host time"
+    )
     a = ap.parse_args()
     p = B.Params(False)
-    t = B.make_target(a.target, p.streams)
+    if a.target == "emulated":
+        t: Any = B.EmulatedTarget(
+            p.streams,
+            a.stand_in_op_us * 1e-6,
+            a.stand_in_latency_us * 1e-6,
+            a.stand_in_launch_us * 1e-6,
+        )
+    else:
+        t = B.make_target(a.target, p.streams)
     out: dict[str, Any] = {"target": a.target}
+    if a.target == "emulated":
+        out["stand_in_us"] = {
+            "op": a.stand_in_op_us,
+            "latency": a.stand_in_latency_us,
+            "launch": a.stand_in_launch_us,
+        }
     try:
         for name in a.loops.split(","):
             try:
@@ -143,8 +220,17 @@ def main() -> None:
                 out[name] = {"unavailable": str(e)}
                 continue
             rates = [_rate(loop, t, p) for _ in range(a.rounds)]
-            with _Counts() as counts, GcRecorder() as gcs:
-                counted = _rate(loop, t, p)
+            steps = None
+            if name == "trio":  # (trio's own count of task steps and scheduler passes)
+                steps = _TrioSteps()
+                plain = loop._run
+                loop._run = partial(loop.trio.run, instruments=[steps])
+            try:
+                with _Counts() as counts, GcRecorder() as gcs:
+                    counted = _rate(loop, t, p)
+            finally:
+                if steps is not None:
+                    loop._run = plain
             prof = cProfile.Profile()
             prof.enable()
             profiled = _rate(loop, t, p)
@@ -156,7 +242,10 @@ def main() -> None:
                 "ops_per_s_rounds": rates,
                 "ops_per_s_counted": counted,
                 "ops_per_s_profiled": profiled,
-                "counts": counts.summary((p.tasks + 64) * p.per_task),
+                "counts": {
+                    **counts.summary((p.tasks + 64) * p.per_task),
+                    **(steps.summary((p.tasks + 64) * p.per_task) if steps else {}),
+                },
                 "gc": gcs.metrics(),
                 "profile": text.getvalue(),
                 # (a thread that wants the GIL makes every release of it, such as a

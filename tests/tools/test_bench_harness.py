@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import json
 import math
 import shutil
@@ -260,6 +261,31 @@ def test_the_engine_emulation_runs_on_a_stand_in_driver(tmp_path):
     for key in ("launch_4args_us", "launch_and_await_us", "throughput_ops_per_s"):
         assert figures[key] > 0
     assert figures["cpu_function_chain_us_per_step"] > 0
+
+
+def test_the_loop_profile_counts_a_stand_in_run_where_every_await_waits(tmp_path):
+    """``benchmarks/diagnostics/profile_loop_throughput.py`` on the stand-in clock
+    target made to finish each operation 6 us after its submission: the reactor
+    polled, woke every await in batches, and under trio (where installed) the
+    run's own count says each await cost its task a step."""
+    out = tmp_path / "profile.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "diagnostics"
+    loops = "asyncio,trio" if importlib.util.find_spec("trio") else "asyncio"
+    args = ["--target", "emulated", "--loops", loops, "--rounds", "1", "--top", "0"]
+    args += ["--json", str(out), "--stand-in-op-us", "0", "--stand-in-latency-us", "6"]
+    subprocess.run(
+        [sys.executable, str(script / "profile_loop_throughput.py"), *args],
+        check=True,
+        capture_output=True,
+    )
+    got = json.loads(out.read_text())
+    assert got["stand_in_us"] == {"op": 0.0, "latency": 6.0, "launch": 0.0}
+    for loop in loops.split(","):
+        counts = got[loop]["counts"]
+        assert counts["polls_moved"] > 0 and counts["reactor_starts"] >= 1
+        assert counts["batch_mean"] > 0
+    if "trio" in got:
+        assert got["trio"]["counts"]["task_steps_per_op"] > 0.5
 
 
 @pytest.mark.skipif(
