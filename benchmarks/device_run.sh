@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one device call: GPU test cases, the benchmarks and the soak, on the lent H200.
+# The one device call: GPU test cases, the benchmarks and the soak, on the lent GPU.
 #   device run:  bash benchmarks/device_run.sh [--quick] [--tests-only|--bench-only] [--skip-bench]
 #                [--sanitize]  (also: the CUDA test cases under compute-sanitizer memcheck)
 #                [--exit-check] (also: each test file in its own process, with its exit status)
@@ -7,11 +7,20 @@
 #                [--ab] (also: benchmarks/diagnostics/primitives_ab.py, this build against the one in
 #                .variant/, which benchmarks/diagnostics/make_variant.sh makes; carry .variant)
 #                [--serving] (also: benchmarks/bench_torch_serving.py and probe_foreign_await.py)
+#                [--profile-loops] (also: benchmarks/diagnostics/profile_loop_throughput.py on
+#                every loop, run twice, the loops in both orders: extra.json's "profile_loops"
+#                and "profile_loops_reversed", the printed profiles in bench.log)
 #                [--skip-suite] (the bench step without benchmarks/run.py: graphs, --ab, --serving, soak)
 #                [--probe] (also: benchmarks/diagnostics/probe_driver.py: the driver calls' host cost, the
 #                layers of a launch, the copy/kernel pipeline by kind of marker; and
 #                benchmarks/diagnostics/probe_await.py: where the time of an awaited launch goes;
 #                benchmarks/diagnostics/probe_trace.py: where a traced launch's time goes)
+# Everything in one call that fits the device tool's 600 s (the test cases, memcheck, the
+# benchmarks without their CPU-figure sections, device graphs, the loop profiles):
+#   RUN_ARGS=--skip-cpu-loops ASYNCGPU_TEST_HANG_S=60 TEST_TIMEOUT=240 SANITIZE_TIMEOUT=90 \
+#     BENCH_TIMEOUT=200 GRAPHS_TIMEOUT=40 bash benchmarks/device_run.sh --sanitize --skip-soak --profile-loops
+# and the serving benchmark with the soak in a second call:
+#   SOAK_OPS=100000 SOAK_TIMEOUT=60 bash benchmarks/device_run.sh --bench-only --skip-suite --serving
 # Writes under $OUT (at most 8 files): env.txt, tests.log (with memcheck's log), tests.json,
 # bench.json, bench.log, extra.json (graphs, and the A/B of two builds when .variant/ exists), probe.json (with probe_await's and probe_trace's figures under "await" and "trace"), soak.json, soak.log. Copy them to benchmarks/results/ as DATE-GPU-WHAT-COMMIT.EXT, in place
 # of that GPU kind's files there (benchmarks/results/README.md), and commit them.
@@ -22,6 +31,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/asyncgpu-device-out}
 mkdir -p "$OUT"
 MODE=all QUICK= SKIP_BENCH= SANITIZE= EXIT_CHECK= GDB_FILE= PROBE= SKIP_SOAK= AB= SERVING= SKIP_SUITE=
+PROFILE_LOOPS=
 for a in "$@"; do
   case "$a" in
     --quick) QUICK=--quick ;;
@@ -36,6 +46,7 @@ for a in "$@"; do
     --ab) AB=1 ;;
     --serving) SERVING=1 ;;
     --skip-suite) SKIP_SUITE=1 ;;
+    --profile-loops) PROFILE_LOOPS=1 ;;
   esac
 done
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -96,7 +107,7 @@ PY
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
 fi
 if [ -n "$EXIT_CHECK" ]; then
-  # Which test file's process crashes on the way out (the whole suite's did, 2026-12-02).
+  # Which test file's process crashes on the way out (a crash at exit hides in the suite's).
   for f in tests/*/test_*.py; do
     timeout 120 python3 -m pytest -q -p no:cacheprovider --capture=sys "$f" > /tmp/exit-check.log 2>&1
     code=$?
@@ -115,7 +126,7 @@ if [ -n "$GDB_FILE" ]; then
   tail -40 "$OUT/gdb.log"
 fi
 if [ -n "$SANITIZE" ]; then
-  # Issue 6: the CUDA cases under compute-sanitizer's memcheck (use-after-free,
+  # The CUDA cases under compute-sanitizer's memcheck (use-after-free,
   # out-of-bounds, leaks of device memory), in one process of their own.
   CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   if [ -n "$CS" ]; then
@@ -144,7 +155,8 @@ if [ "$MODE" != tests ]; then
       # package (benchmarks/diagnostics/make_variant.sh), the A/B of the two builds: their
       # figures go into extra.json under "graphs" and "primitives_ab", their logs into
       # bench.log (the device tool brings back at most 8 files).
-      rm -f /tmp/graphs.json /tmp/primitives-ab.json /tmp/torch-serving.json /tmp/probe-foreign.json
+      rm -f /tmp/graphs.json /tmp/primitives-ab.json /tmp/torch-serving.json /tmp/probe-foreign.json \
+        /tmp/profile-loops.json /tmp/profile-loops-reversed.json
       { echo; echo "== benchmarks/graphs.py =="; } >> "$OUT/bench.log"
       timeout "${GRAPHS_TIMEOUT:-120}" python3 benchmarks/graphs.py --api cuda --json /tmp/graphs.json \
         >> "$OUT/bench.log" 2>&1
@@ -161,8 +173,20 @@ if [ "$MODE" != tests ]; then
         timeout 60 python3 benchmarks/diagnostics/probe_foreign_await.py --target cuda \
           --json /tmp/probe-foreign.json >> "$OUT/bench.log" 2>&1
       fi
+      if [ -n "$PROFILE_LOOPS" ]; then
+        # Both orders: a loop measured after the others in one process would show
+        # whatever they left behind (threads, the collector's heap) as its own cost.
+        for order in asyncio,uvloop,trio trio,uvloop,asyncio; do
+          dest=/tmp/profile-loops.json; [ "$order" = trio,uvloop,asyncio ] && dest=/tmp/profile-loops-reversed.json
+          { echo; echo "== benchmarks/diagnostics/profile_loop_throughput.py --loops $order =="; } >> "$OUT/bench.log"
+          timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/diagnostics/profile_loop_throughput.py \
+            --target cuda --loops "$order" --top 20 --json "$dest" >> "$OUT/bench.log" 2>&1
+        done
+        grep -E "^== (asyncio|uvloop|trio):" "$OUT/bench.log" | cut -c1-160
+      fi
       python3 - "$OUT/extra.json" graphs=/tmp/graphs.json primitives_ab=/tmp/primitives-ab.json \
-        torch_serving=/tmp/torch-serving.json probe_foreign_await=/tmp/probe-foreign.json <<'PY'
+        torch_serving=/tmp/torch-serving.json probe_foreign_await=/tmp/probe-foreign.json \
+        profile_loops=/tmp/profile-loops.json profile_loops_reversed=/tmp/profile-loops-reversed.json <<'PY'
 import json, os, sys
 extra = {}
 for arg in sys.argv[2:]:
