@@ -8,8 +8,9 @@
 #                .variant/, which benchmarks/diagnostics/make_variant.sh makes; carry .variant)
 #                [--serving] (also: benchmarks/bench_torch_serving.py and probe_foreign_await.py)
 #                [--profile-loops] (also: benchmarks/diagnostics/profile_loop_throughput.py on
-#                every loop, run twice, the loops in both orders: extra.json's "profile_loops"
-#                and "profile_loops_reversed", the printed profiles in bench.log)
+#                every loop, run twice, the loops in both orders, the first with a sweep of the
+#                reactor's budget per loop iteration: extra.json's "profile_loops" and
+#                "profile_loops_reversed", the printed profiles in bench.log)
 #                [--skip-suite] (the bench step without benchmarks/run.py: graphs, --ab, --serving, soak)
 #                [--probe] (also: benchmarks/diagnostics/probe_driver.py: the driver calls' host cost, the
 #                layers of a launch, the copy/kernel pipeline by kind of marker; and
@@ -179,8 +180,10 @@ if [ "$MODE" != tests ]; then
         for order in asyncio,uvloop,trio trio,uvloop,asyncio; do
           dest=/tmp/profile-loops.json; [ "$order" = trio,uvloop,asyncio ] && dest=/tmp/profile-loops-reversed.json
           { echo; echo "== benchmarks/diagnostics/profile_loop_throughput.py --loops $order =="; } >> "$OUT/bench.log"
-          timeout "${PROFILE_TIMEOUT:-60}" python3 benchmarks/diagnostics/profile_loop_throughput.py \
-            --target cuda --loops "$order" --top 20 --json "$dest" >> "$OUT/bench.log" 2>&1
+          # (the first order also compares the reactor's budget per loop iteration)
+          sweep=--budget-sweep=0.2,0.4; [ "$order" = trio,uvloop,asyncio ] && sweep=
+          timeout "${PROFILE_TIMEOUT:-90}" python3 benchmarks/diagnostics/profile_loop_throughput.py \
+            --target cuda --loops "$order" --top 20 $sweep --json "$dest" >> "$OUT/bench.log" 2>&1
         done
         grep -E "^== (asyncio|uvloop|trio):" "$OUT/bench.log" | cut -c1-160
       fi

@@ -13,6 +13,10 @@ functions by own time are printed.
     python benchmarks/diagnostics/profile_loop_throughput.py --target cuda \\
         [--loops asyncio,uvloop,trio] [--top 25] [--json OUT.json]
 
+``--budget-sweep 0.2,0.4,0.8`` also compares budgets per loop iteration (the
+reactor's ``ITERATION_S``, which sizes its batches of woken awaits) on each
+loop: awaits per second against a 1 ms ticker's lag.
+
 The ``emulated`` target can be made more like a GPU: ``--stand-in-latency-us``
 (an operation ends no sooner than this after its submission, so every await
 waits), ``--stand-in-launch-us`` (host time per launch), ``--stand-in-op-us``.
@@ -175,6 +179,35 @@ class _TrioSteps:
         }
 
 
+def _budget_sweep(loop: B.Loop, t: Any, p: B.Params, budgets_ms: list[float]) -> dict[str, Any]:
+    """Each of ``budgets_ms`` as the reactor's budget per loop iteration
+    (``engine.ITERATION_S``; it sizes the batches of woken awaits): the loop's
+    1,000 x 10 awaits per second, and a 1 ms ticker's lag during 1 s of 1,000
+    tasks awaiting. The settings take turns, three rounds; each figure is the
+    median of its setting's rounds."""
+    short = B.Params(False)
+    short.ticker_s = 1.0
+    saved = engine.ITERATION_S
+    runs: dict[float, list[tuple[float, dict[str, float]]]] = {ms: [] for ms in budgets_ms}
+    try:
+        for _ in range(3):
+            for ms in budgets_ms:
+                engine.ITERATION_S = ms * 1e-3
+                runs[ms].append((_rate(loop, t, p), B.ticker(loop, t, short)))
+    finally:
+        engine.ITERATION_S = saved
+    out: dict[str, Any] = {"default_ms": saved * 1e3}
+    for ms, got in runs.items():
+        out[f"{ms:g}"] = {
+            "ops_per_s": statistics.median(r for r, _ in got),
+            "ops_per_s_rounds": [r for r, _ in got],
+            "ticker_steady_lag_p99_ms": statistics.median(k["steady_lag_p99_ms"] for _, k in got),
+            "ticker_lag_p99_ms_worst_round": max(k["lag_p99_ms"] for _, k in got),
+            "ticker_ops_per_s": statistics.median(k["ops_per_s"] for _, k in got),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--target", choices=B.TARGETS, default="cuda")
@@ -194,8 +227,15 @@ def main() -> None:
     ap.add_argument(
         "--stand-in-launch-us", type=float, default=0.0, help="emulated: a launch's host time"
     )
+    ap.add_argument(
+        "--budget-sweep",
+        default="",
+        help="comma-separated budgets per loop iteration in ms (engine.ITERATION_S) to "
+        "compare on each loop: awaits per second and a ticker's lag at each",
+    )
     a = ap.parse_args()
     p = B.Params(False)
+    budgets = [float(x) for x in a.budget_sweep.split(",") if x]
     if a.target == "emulated":
         t: Any = B.EmulatedTarget(
             p.streams,
@@ -252,9 +292,13 @@ def main() -> None:
                 # launch's driver call, cost the loop's thread a switch)
                 "threads": sorted(th.name for th in threading.enumerate()),
             }
+            if budgets:
+                row["budget_sweep"] = _budget_sweep(loop, t, p, budgets)
             out[name] = row
             print(f"== {name}: {row['ops_per_s']:.0f} ops/s {row['counts']} {row['gc']}")
             print(f"   threads: {row['threads']}")
+            if budgets:
+                print(f"   budget sweep: {row['budget_sweep']}")
             print(row["profile"])
     finally:
         t.close()
