@@ -267,12 +267,16 @@ def test_the_loop_profile_counts_a_stand_in_run_where_every_await_waits(tmp_path
     """``benchmarks/diagnostics/profile_loop_throughput.py`` on the stand-in clock
     target made to finish each operation 6 us after its submission: the reactor
     polled, woke every await in batches, and under trio (where installed) the
-    run's own count says each await cost its task a step."""
+    run's own count says each await cost its task a step; a budget sweep ran
+    (and put the default budget back: the next loop reports it)."""
+    from asyncgpu._core import engine
+
     out = tmp_path / "profile.json"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "diagnostics"
     loops = "asyncio,trio" if importlib.util.find_spec("trio") else "asyncio"
     args = ["--target", "emulated", "--loops", loops, "--rounds", "1", "--top", "0"]
     args += ["--json", str(out), "--stand-in-op-us", "0", "--stand-in-latency-us", "6"]
+    args += ["--budget-sweep", "0.3"]
     subprocess.run(
         [sys.executable, str(script / "profile_loop_throughput.py"), *args],
         check=True,
@@ -284,6 +288,9 @@ def test_the_loop_profile_counts_a_stand_in_run_where_every_await_waits(tmp_path
         counts = got[loop]["counts"]
         assert counts["polls_moved"] > 0 and counts["reactor_starts"] >= 1
         assert counts["batch_mean"] > 0
+        sweep = got[loop]["budget_sweep"]
+        assert sweep["0.3"]["ops_per_s"] > 0 and sweep["0.3"]["ticker_ops_per_s"] > 0
+        assert sweep["default_ms"] == pytest.approx(engine.ITERATION_S * 1e3)
     if "trio" in got:
         assert got["trio"]["counts"]["task_steps_per_op"] > 0.5
 
