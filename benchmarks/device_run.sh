@@ -9,8 +9,9 @@
 #                [--serving] (also: benchmarks/bench_torch_serving.py and probe_foreign_await.py)
 #                [--profile-loops] (also: benchmarks/diagnostics/profile_loop_throughput.py on
 #                every loop, run twice, the loops in both orders, the first with a sweep of the
-#                reactor's budget per loop iteration: extra.json's "profile_loops" and
-#                "profile_loops_reversed", the printed profiles in bench.log)
+#                reactor's budget per loop iteration, then on the stand-in clock on this host's
+#                CPU: extra.json's "profile_loops", "profile_loops_reversed" and
+#                "profile_loops_emulated", the printed profiles in bench.log)
 #                [--skip-suite] (the bench step without benchmarks/run.py: graphs, --ab, --serving, soak)
 #                [--probe] (also: benchmarks/diagnostics/probe_driver.py: the driver calls' host cost, the
 #                layers of a launch, the copy/kernel pipeline by kind of marker; and
@@ -157,7 +158,7 @@ if [ "$MODE" != tests ]; then
       # figures go into extra.json under "graphs" and "primitives_ab", their logs into
       # bench.log (the device tool brings back at most 8 files).
       rm -f /tmp/graphs.json /tmp/primitives-ab.json /tmp/torch-serving.json /tmp/probe-foreign.json \
-        /tmp/profile-loops.json /tmp/profile-loops-reversed.json
+        /tmp/profile-loops.json /tmp/profile-loops-reversed.json /tmp/profile-loops-emulated.json
       { echo; echo "== benchmarks/graphs.py =="; } >> "$OUT/bench.log"
       timeout "${GRAPHS_TIMEOUT:-120}" python3 benchmarks/graphs.py --api cuda --json /tmp/graphs.json \
         >> "$OUT/bench.log" 2>&1
@@ -185,11 +186,18 @@ if [ "$MODE" != tests ]; then
           timeout "${PROFILE_TIMEOUT:-90}" python3 benchmarks/diagnostics/profile_loop_throughput.py \
             --target cuda --loops "$order" --top 20 $sweep --json "$dest" >> "$OUT/bench.log" 2>&1
         done
+        # The same on the stand-in clock, on this host's CPU: whether a loop's cost
+        # here is the GPU's or the host's (trio's stand-in figures differ by host).
+        { echo; echo "== benchmarks/diagnostics/profile_loop_throughput.py --target emulated =="; } >> "$OUT/bench.log"
+        timeout 60 python3 benchmarks/diagnostics/profile_loop_throughput.py --target emulated \
+          --stand-in-op-us 2 --stand-in-latency-us 6 --top 20 --json /tmp/profile-loops-emulated.json \
+          >> "$OUT/bench.log" 2>&1
         grep -E "^== (asyncio|uvloop|trio):" "$OUT/bench.log" | cut -c1-160
       fi
       python3 - "$OUT/extra.json" graphs=/tmp/graphs.json primitives_ab=/tmp/primitives-ab.json \
         torch_serving=/tmp/torch-serving.json probe_foreign_await=/tmp/probe-foreign.json \
-        profile_loops=/tmp/profile-loops.json profile_loops_reversed=/tmp/profile-loops-reversed.json <<'PY'
+        profile_loops=/tmp/profile-loops.json profile_loops_reversed=/tmp/profile-loops-reversed.json \
+        profile_loops_emulated=/tmp/profile-loops-emulated.json <<'PY'
 import json, os, sys
 extra = {}
 for arg in sys.argv[2:]:
