@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _config
 from .._accel import native
-from .event import _set_future
+from .event import _set_future, _TrioWaker
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -608,25 +608,6 @@ class _TrioReactor(_Poller):
         finally:
             self.running = False
             self.kick = None
-
-
-class _TrioWaker:
-    """One trio task waiting in ``trio.lowlevel.wait_task_rescheduled`` for its
-    event: the reactor reschedules ``task`` once the event is done, unless a
-    cancellation has taken the task back first (``abort``), which leaves
-    ``task`` None. (A ``trio.Event`` per await would do the same through a
-    parking lot, at several times the cost per await.)"""
-
-    __slots__ = ("task",)
-
-    def __init__(self, task: Any) -> None:
-        self.task: Any = task
-
-    def abort(self, raise_cancel: Any) -> Any:
-        # The reactor still holds this waker in its queue; it is skipped when its
-        # event is done. trio raises the cancellation in the task.
-        self.task = None
-        return sys.modules["trio"].lowlevel.Abort.SUCCEEDED
 
 
 _trio_reactor_var: Any = None  # a trio.lowlevel.RunVar, made on the first trio await

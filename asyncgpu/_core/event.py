@@ -323,20 +323,51 @@ def _loop_waiter(ev: DeviceEvent, loop: asyncio.AbstractEventLoop) -> _LoopWaite
     return w if ev._add_waiter(w) else None
 
 
-async def _trio_wait_pushed(ev: DeviceEvent) -> None:
-    """The trio await of a push-completed event (the CPU device): a ``trio.Event``
-    that the thread finishing the work sets through the run's token
-    (``TrioToken.run_sync_soon``, trio's public way in from another thread)."""
+class _TrioWaker:
+    """One trio task waiting in ``trio.lowlevel.wait_task_rescheduled`` for its
+    event: whoever sees the event done reschedules ``task``, on the run's
+    thread, unless a cancellation has taken the task back first (``abort``),
+    which leaves ``task`` None. (A ``trio.Event`` per await would do the same
+    through a parking lot, at several times the cost per await.)"""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: Any) -> None:
+        self.task: Any = task
+
+    def abort(self, raise_cancel: Any) -> Any:
+        # Whoever holds this waker skips it when its event is done; trio raises
+        # the cancellation in the task.
+        self.task = None
+        return sys.modules["trio"].lowlevel.Abort.SUCCEEDED
+
+    def wake(self) -> None:
+        """On the run's thread: reschedule the task unless its wait was given up."""
+        task = self.task
+        if task is not None:
+            self.task = None
+            sys.modules["trio"].lowlevel.reschedule(task)
+
+
+def _trio_wait_pushed(ev: DeviceEvent, outcome: bool) -> Generator[Any, None, Any]:
+    """The trio await of a push-completed event (the CPU device), as the iterator
+    that the event's ``__await__`` hands trio: the task waits in
+    ``trio.lowlevel.wait_task_rescheduled``, and the thread that finishes the
+    work reschedules it through the run's token (``TrioToken.run_sync_soon``,
+    trio's public way in from another thread). Returns the event's outcome
+    (``outcome``), else None."""
     trio = sys.modules["trio"]
-    token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
+    lowlevel = trio.lowlevel
+    token = lowlevel.current_trio_token()
+    waker = _TrioWaker(lowlevel.current_task())
 
-    def wake(_: DeviceEvent) -> None:
+    def done(_: DeviceEvent) -> None:
         with contextlib.suppress(trio.RunFinishedError):  # the run is over: nobody to wake
-            token.run_sync_soon(done.set)
+            token.run_sync_soon(waker.wake)
 
-    ev.add_done_callback(wake)
-    await done.wait()
+    ev.add_done_callback(done)
+    yield from lowlevel.wait_task_rescheduled(waker.abort).__await__()
+    return ev._outcome() if outcome else None
 
 
 # What the compiled await calls: asyncio's running loop, and the Python awaits it

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from types import FunctionType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -275,9 +276,15 @@ class DeviceExternalFunction(DeviceFunction):
 
 def refuse_coroutine_function(func: Any, what: str) -> None:
     """CPU work runs on pool threads, with no event loop: an ``async def``
-    function would only make a coroutine that nobody runs."""
-    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-        getattr(func, "__call__", None)  # noqa: B004 (an object whose __call__ is async)
+    function would only make a coroutine that nobody runs. (A plain function's
+    own ``__call__`` is never async: asking about it, as about other callable
+    objects', would cost every ``enqueue_cpu_function`` a second
+    ``inspect.iscoroutinefunction``.)"""
+    if inspect.iscoroutinefunction(func) or (
+        type(func) is not FunctionType
+        and inspect.iscoroutinefunction(
+            getattr(func, "__call__", None)  # noqa: B004 (an object whose __call__ is async)
+        )
     ):
         raise TypeError(
             f"{what} runs plain functions on the CPU pool; {func!r} is an async function "

@@ -285,8 +285,7 @@ class _StreamImpl:
     def _trio_wait(self, ev: DeviceEvent, outcome: bool = True) -> Generator[Any, None, Any]:
         """Under trio, wait until ``ev`` is done (the stream was asked once); then
         return its outcome (``outcome``), else None."""
-        yield from _trio_wait_pushed(ev).__await__()
-        return ev._outcome() if outcome else None
+        return _trio_wait_pushed(ev, outcome)
 
     def _elapsed_ms(self, start: DeviceEvent, end: DeviceEvent) -> float:
         t0 = start._timing
