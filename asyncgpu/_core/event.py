@@ -27,6 +27,7 @@ import contextlib
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -293,15 +294,77 @@ def _new_lock(ev: DeviceEvent) -> threading.Lock:
 
 
 class _LoopWaiter:
-    """An asyncio future and the thread that runs its loop (the await of a
-    push-completed event; polled streams' awaits are the reactor's own)."""
+    """An asyncio future, the thread that runs its loop, and that loop's inbox
+    (the await of a push-completed event; polled streams' awaits are the
+    reactor's own)."""
 
-    __slots__ = ("fut", "loop", "thread")
+    __slots__ = ("fut", "inbox", "thread")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
         self.fut = loop.create_future()
         self.thread = _get_ident()
+        last = _last_inbox
+        self.inbox = last[1] if last[0] is loop else _inbox_for(loop)
+
+
+class _Inbox:
+    """The wake-ups that other threads hand one asyncio loop: the futures to
+    finish, and whether a loop callback to finish them is already on its way.
+
+    Only the first wake-up of a burst calls ``call_soon_threadsafe`` (which
+    writes to the loop's self-pipe, a system call on the finishing thread);
+    those that come before that callback runs join it. A thread pool finishing
+    many small operations otherwise makes one system call, and hands the loop
+    one callback, per operation."""
+
+    __slots__ = ("__weakref__", "futs", "lock", "loop", "sent")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        # (weakly: the inbox is the value of a dict weakly keyed by its loop)
+        self.loop = weakref.ref(loop)
+        self.lock = threading.Lock()
+        self.futs: list[asyncio.Future[Any]] = []
+        self.sent = False  # a drain callback is on its way to the loop
+
+    def put(self, fut: asyncio.Future[Any]) -> None:
+        """From any thread but the loop's: finish ``fut`` on the loop soon."""
+        with self.lock:
+            self.futs.append(fut)
+            if self.sent:
+                return
+            self.sent = True
+        loop = self.loop()
+        try:
+            if loop is None:
+                raise RuntimeError("the loop is gone")
+            loop.call_soon_threadsafe(self.drain)
+        except RuntimeError:  # the loop is closed: nobody is left to wake
+            with self.lock:
+                self.futs.clear()
+                self.sent = False
+
+    def drain(self) -> None:
+        """On the loop: finish every future handed in so far, in order."""
+        with self.lock:
+            futs = self.futs
+            self.futs = []
+            self.sent = False
+        for fut in futs:
+            _set_future(fut)
+
+
+_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = weakref.WeakKeyDictionary()
+_last_inbox: tuple[Any, Any] = (None, None)  # (the loop of the latest lookup, its inbox)
+
+
+def _inbox_for(loop: asyncio.AbstractEventLoop) -> _Inbox:
+    global _last_inbox
+    with _lock_guard:
+        inbox = _inboxes.get(loop)
+        if inbox is None:
+            inbox = _inboxes[loop] = _Inbox(loop)
+    _last_inbox = (loop, inbox)
+    return inbox
 
 
 def _set_future(fut: asyncio.Future[Any]) -> None:
@@ -313,8 +376,7 @@ def _wake(waiter: _LoopWaiter) -> None:
     if waiter.thread == _get_ident():
         _set_future(waiter.fut)
     else:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to wake
-            waiter.loop.call_soon_threadsafe(_set_future, waiter.fut)
+        waiter.inbox.put(waiter.fut)
 
 
 def _loop_waiter(ev: DeviceEvent, loop: asyncio.AbstractEventLoop) -> _LoopWaiter | None:

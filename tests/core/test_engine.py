@@ -25,6 +25,19 @@ from asyncgpu._core import engine as _engine
 from asyncgpu._core.engine import reactor_for
 
 
+def _count_threadsafe_calls(monkeypatch, loop: asyncio.AbstractEventLoop) -> list[object]:
+    """The callbacks that other threads schedule on ``loop`` from now on."""
+    scheduled: list[object] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(cb, *args, **kwargs):  # type: ignore[no-untyped-def]
+        scheduled.append(cb)
+        return real(cb, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    return scheduled
+
+
 @pytest.mark.asyncio
 async def test_awaits_wake_in_completion_order_whichever_thread_finishes_the_work(
     monkeypatch,
@@ -35,14 +48,7 @@ async def test_awaits_wake_in_completion_order_whichever_thread_finishes_the_wor
     completes its futures (the H200 run of 2026-12-02 woke a task early when
     another thread's wake-up bypassed the reactor's queue)."""
     loop = asyncio.get_running_loop()
-    scheduled: list[object] = []
-    real = loop.call_soon_threadsafe
-
-    def counting(cb, *args, **kwargs):  # type: ignore[no-untyped-def]
-        scheduled.append(cb)
-        return real(cb, *args, **kwargs)
-
-    monkeypatch.setattr(loop, "call_soon_threadsafe", counting)
+    scheduled = _count_threadsafe_calls(monkeypatch, loop)
     s = RecordingStream()
     evs = [s.submit() for _ in range(6)]
     woke: list[int] = []
@@ -386,3 +392,35 @@ def test_the_reactors_of_closed_loops_are_let_go() -> None:
     gc.collect()
     assert [r for r in gone if r() is not None] == []
     assert sum(lp.is_closed() for lp in list(_engine._reactors)) <= 1  # (the last one's)
+
+
+@pytest.mark.asyncio
+async def test_a_burst_of_cpu_completions_wakes_its_loop_once_in_completion_order(
+    monkeypatch,
+) -> None:
+    """Work finished on other threads (the CPU device's pool) wakes an asyncio
+    loop through its inbox: the first wake-up of a burst schedules one callback
+    on the loop (``call_soon_threadsafe``, a self-pipe write), the others join
+    it, and the tasks wake in the order their work finished."""
+    from asyncgpu import DeviceContext
+
+    loop = asyncio.get_running_loop()
+    scheduled = _count_threadsafe_calls(monkeypatch, loop)
+    gate = threading.Event()
+    with DeviceContext(api="cpu") as ctx:
+        first = ctx.enqueue_cpu_function(gate.wait)  # holds the stream's work back
+        evs = [ctx.enqueue_cpu_function(lambda i=i: i) for i in range(20)]
+        woke: list[int] = []
+
+        async def wait(i: int) -> None:
+            await evs[i]
+            woke.append(i)
+
+        tasks = [asyncio.create_task(wait(i)) for i in reversed(range(20))]
+        await asyncio.sleep(0)  # every task awaits its event
+        gate.set()
+        evs[-1].synchronize()  # the loop's thread is held while the pool finishes all
+        assert woke == [] and len(scheduled) == 1  # one wake-up for the whole burst
+        await asyncio.gather(*tasks)
+        assert woke == list(range(20))
+        assert first.query()
