@@ -282,7 +282,7 @@ class GcRecorder:
     again; the figures add up): how many of each generation, and the time they
     stopped the process (``gc.callbacks``). One full pass can outweigh what it
     interrupts: over 800,000 small objects it took 57 ms on the development
-    machine, a quarter of a throughput round on the H200."""
+    machine, a quarter of a throughput round on a GPU."""
 
     def __init__(self) -> None:
         self.passes = [0, 0, 0]

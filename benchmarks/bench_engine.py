@@ -55,11 +55,10 @@ WARM_S = 0.3
 
 def warm_gpu(ctx: ag.DeviceContext, empty: ag.DeviceFunction, seconds: float = WARM_S) -> int:
     """Launch and synchronize empty kernels for ``seconds`` before timing. An idle
-    H200 reads 345 MHz SM clocks (nvidia-smi, 2026-12-04), and the clocks take time
-    to rise: in the suite, where this section followed seconds of CPU-only work,
-    the await round trip timed 1.51x the blocking one; the same code in a process
-    started right after other GPU work timed 1.15x (9964773, 2026-12-04).
-    Returns the number of launches."""
+    data-center GPU lowers its SM clocks (nvidia-smi shows it), and the clocks
+    take time to rise: where this section followed seconds of CPU-only work, the
+    await round trip timed half again the blocking one, and the same code right
+    after other GPU work did not. Returns the number of launches."""
     n = 0
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:

@@ -26,7 +26,7 @@
 # Writes under $OUT (at most 8 files): env.txt, tests.log (with memcheck's log), tests.json,
 # bench.json, bench.log, extra.json (graphs, and the A/B of two builds when .variant/ exists), probe.json (with probe_await's and probe_trace's figures under "await" and "trace"), soak.json, soak.log. Copy them to benchmarks/results/ as DATE-GPU-WHAT-COMMIT.EXT, in place
 # of that GPU kind's files there (benchmarks/results/README.md), and commit them.
-# The H200 image lacks some test dependencies; carry them as wheels (device tool: carry .whl,
+# The GPU image lacks some test dependencies; carry them as wheels (device tool: carry .whl,
 # and asyncgpu/_native.abi3.so built here by `pip install -e .`):
 #   ../shared/tools/device-wheels pytest-asyncio==1.5.0 trio==0.32.0 outcome==1.3.0.post0 sniffio==1.3.1 uvloop==0.22.1
 set -uo pipefail

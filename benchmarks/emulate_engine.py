@@ -8,7 +8,7 @@ is asyncgpu's own cost: the enqueue path, the await machinery, the reactor.
 
 These are figures of the machine it runs on, for comparing two versions of the
 code there (run it before and after a change). They are not GPU figures and are
-never reported as such; the H200's are in ``benchmarks/results/``.
+never reported as such; the GPUs' are in ``benchmarks/results/``.
 
     python benchmarks/emulate_engine.py [--quick] [--json OUT.json]
 """

@@ -113,7 +113,7 @@ extern "C" __global__ void k_clamp_@ID@(float* x, int n, float lo, float hi) {
 }
 """
 
-# Reference figures from DESIGN.md (H200, run 2), for the printed table only.
+# Reference figures from DESIGN.md (its numbers to beat), for the printed table only.
 REFERENCES: dict[str, tuple[str, float]] = {
     "rt_mapped_counter_spin": ("median_us", 8.4),
     "rt_asyncio_mapped_counter": ("median_us", 8.7),

@@ -1,7 +1,7 @@
 """Render a benchmark JSON (from ``run.py --json``) as the Markdown tables of
 docs/performance.md, so the docs quote measured numbers only.
 
-    python benchmarks/report.py benchmarks/results/2026-12-07-h200-bench-3860686.json [PROBE.json]
+    python benchmarks/report.py benchmarks/results/DATE-GPU-bench-COMMIT.json [PROBE.json]
     python benchmarks/report.py --across RUN1.json RUN2.json ...   (goals side by side)
 """
 

@@ -210,7 +210,7 @@ def goal_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
         )
     # Self-set targets. With device times every op is followed by a timing event,
     # which (its cuEventRecord, 1.2 us, and its keeping) adds about 0.65 of an
-    # empty launch (H100, benchmarks/diagnostics/probe_trace.py): 1.65x is the floor there
+    # empty launch (benchmarks/diagnostics/probe_trace.py): 1.65x is the floor there
     # and 3x the target; host times alone, 1.5x.
     row(
         "I5.1 tracing on / off (empty launch)",

@@ -1,8 +1,8 @@
 """Why a launch can cost more in one phase of the suite than in another.
 
 The suite's ``fast_launch`` phase has timed ``enqueue_function`` up to 1.5x its
-own alternating rounds with cuda.core a second later (H100, 2026-12-06: 6.38
-against 4.20 µs with 4 arguments). This probe times the same launches, round
+own alternating rounds with cuda.core a second later (about 6.4 against
+4.2 µs with 4 arguments, in one run on a GPU). This probe times the same launches, round
 by round, in a fresh process, after the engine's phases of the suite (run as
 ``benchmarks/run.py`` runs them), and again later, with what could explain a
 difference beside each phase: every thread's CPU time and context switches

@@ -195,7 +195,7 @@ async def test_cpu_functions_that_block_for_other_streams_never_use_up_the_pool(
 ) -> None:
     """Every thread of the CPU pool runs a function that blocks until another
     stream's CPU work is done, and that work is queued behind them: the pool
-    starts a thread for each blocked wait (it deadlocked before 2026-12-05)."""
+    starts a thread for each blocked wait (without them, it deadlocked)."""
     from asyncgpu._core.pool import cpu_pool, pool_size
 
     n = pool_size()

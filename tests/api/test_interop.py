@@ -457,7 +457,7 @@ extern "C" __global__ void spin_write(float* out, float value, int n, long long 
     if (i < n) out[i] = value;
 }
 """
-SPIN_CYCLES = np.int64(200_000_000)  # ~0.1 s on an H200: far longer than a launch
+SPIN_CYCLES = np.int64(200_000_000)  # ~0.1 s at a data-center GPU's clock: far longer than a launch
 
 
 @pytest.fixture

@@ -846,7 +846,7 @@ def test_buffers_kept_past_their_context_let_the_interpreter_exit_cleanly(
 ) -> None:
     """Buffers (and a trace) held in module globals after their context closed
     are dropped during the interpreter's teardown; the process exits with
-    status 0. On the H200 a device buffer crashed the teardown in 5 runs of 8:
+    status 0. A device buffer once crashed the teardown in 5 runs of 8:
     cuda.core freed it on the stream it was allocated on, destroyed when the
     context closed (``cuMemFreeAsync`` on a destroyed stream)."""
     import os

@@ -546,7 +546,7 @@ def test_an_event_recorded_again_stands_for_its_latest_record_only(
 async def test_an_event_recorded_again_on_another_stream_does_not_hold_up_the_first(
     ctx: DeviceContext, gate
 ) -> None:
-    """Until 2026-12-04 the CUDA device queued the user event itself on the stream
+    """The CUDA device once queued the user event itself on the stream
     of its first record; recorded again, it carried the other stream's sequence
     number there, and that stream's later work was never seen to finish."""
     s_a, s_b = ctx.select_stream(1), ctx.select_stream(2)

@@ -320,7 +320,7 @@ def test_device_times_are_read_back_as_the_device_passes_each_stamp() -> None:
 def test_tracing_places_no_marker_and_watches_nothing() -> None:
     """Tracing only listens: a traced operation of a polled stream gets no marker
     and no watch of its own (a done-callback per operation cost a traced launch
-    about 5x an untraced one on the H200); its end is noticed with the work."""
+    about 5x an untraced one); its end is noticed with the work."""
     s = RecordingStream()
     t = Trace()
     ev = s.submit()
@@ -459,7 +459,7 @@ def test_a_completion_noticed_first_ends_what_it_waited_for_no_later() -> None:
     """Completions are noticed in no set order across streams: when an operation
     is seen finished before one it waited for, that one ended no later, and the
     trace says so (before, the waited-for one got the later end and the graph
-    showed an edge running backwards; the dag example caught it on the H200)."""
+    showed an edge running backwards; the dag example caught it on a GPU)."""
     a_stream, b_stream = RecordingStream(), RecordingStream()
     a_stream.label, b_stream.label = "gpu:0/s1", "gpu:0/s2"
     t = Trace()

@@ -4,9 +4,9 @@ An asyncio loop's reactor owns the awaits of GPU work on that loop and completes
 their futures itself, in each stream's completion order. The work may be
 finished on the loop's thread (the reactor's retire) or on another thread (the
 watcher, a blocking wait, a fault); either way the awaiting tasks wake in the
-order the work finished. The H200 run of 2026-12-02 showed a task woken early
-when another thread's wake-up bypassed the reactor's queue
-(``test_awaits_resolve_in_submission_order[cuda]``).
+order the work finished. A wake-up from another thread that bypassed the
+reactor's queue once woke a task early
+(``test_awaits_resolve_in_submission_order[cuda]`` on a GPU caught it).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ async def test_awaits_wake_in_completion_order_whichever_thread_finishes_the_wor
     """Six operations awaited out of order by six tasks; another thread retires
     the first three, the reactor the last three. The tasks wake in completion
     order, and the other thread schedules nothing on the loop: the reactor alone
-    completes its futures (the H200 run of 2026-12-02 woke a task early when
-    another thread's wake-up bypassed the reactor's queue)."""
+    completes its futures (a task once woke early when another thread's
+    wake-up bypassed the reactor's queue)."""
     loop = asyncio.get_running_loop()
     scheduled = _count_threadsafe_calls(monkeypatch, loop)
     s = RecordingStream()
@@ -266,8 +266,8 @@ async def test_work_that_finishes_while_the_reactor_checks_for_faults_still_wake
 ):
     """The reactor asks the driver for sticky faults when nothing has moved for a
     while. Work that finishes during that question must still be retired and its
-    awaiter woken (the H200 run of 2026-12-04 hung an await this way: the reactor
-    dropped the stream from its pending set without retiring it)."""
+    awaiter woken (an await once hung this way on a GPU: the reactor dropped the
+    stream from its pending set without retiring it)."""
     from test_markers import RecordingStream
 
     class FinishesDuringFaultCheck(RecordingStream):
@@ -299,8 +299,8 @@ async def test_a_new_await_makes_a_parked_reactor_poll_every_iteration_again(
     """A reactor with nothing moving parks on a timer (1-4 ms). A new await ends
     the park and, as progress does, makes it poll once per loop iteration for
     ``SPIN_S`` again: work that takes longer than the await's own brief spin is
-    then seen when it ends, not when the timer fires (the H200 took 1.1 ms for an
-    awaited small pageable copy, 2026-12-04)."""
+    then seen when it ends, not when the timer fires (otherwise an awaited small
+    pageable copy takes as long as the timer)."""
     clock = _TickingClock()
     monkeypatch.setattr(_engine, "_monotonic", clock)
     s = RecordingStream()

@@ -365,7 +365,7 @@ def test_an_old_entry_without_ptx_is_recompiled_once_for_a_ptx_request(tmp_path)
     _, key, n_cubin, n_ptx, _, _ = _compiler._HEADER.unpack_from(data)
     body = data[_compiler._HEADER.size :]
     cubin, log = body[:n_cubin], body[n_cubin + n_ptx :].decode()
-    # An entry without the PTX, as they were written before 2026-12-04.
+    # An entry without the PTX, as older versions wrote them.
     path.write_bytes(_compiler._pack_entry(key, cubin, None, log))
     clear_memory_cache()
 

@@ -203,8 +203,8 @@ def test_cross_stream_copy_waits_for_owner(ctx, fns):
 
 def test_a_held_copy_is_marked_by_a_driver_event_that_other_streams_wait_on(ctx, fns):
     """The marker right after a copy or memset is a recorded driver event: a
-    counter write there, whose memory fence waits for the copy engines, cost the
-    H200 a tenth of its copy/kernel overlap. After a kernel it is the counter.
+    counter write there, whose memory fence waits for the copy engines, cost a
+    copy/kernel pipeline a tenth of its overlap. After a kernel it is the counter.
     Another stream that waits for the copy waits on that event, on the device."""
     a, b = ctx.select_stream(5), ctx.select_stream(6)
     impl = a._impl
@@ -355,7 +355,7 @@ def test_cpu_function_holds_later_gpu_work_back(ctx, fns):
 
 
 def test_kernels_compile_and_load_while_cpu_work_holds_a_stream(ctx, fns):
-    """The deadlock seen on the H200 (2026-12-02): a module load waited inside the
+    """A deadlock once seen on a GPU: a module load waited inside the
     driver for a stream held back on the device by a CPU function that waited for
     the loading thread. Held on the host, the load goes through."""
     s0, s1 = ctx.select_stream(4), ctx.select_stream(5)

@@ -478,8 +478,8 @@ def test_memory_running_short_frees_the_kept_buffers_of_streams_neither_closing_
 
 # -- which marker follows an operation ---------------------------------------------------
 # A counter write (cuStreamWriteValue64) right after a copy waits, in its memory fence,
-# for the copy engines; on the H200 that cost a 4-stream copy/kernel pipeline a tenth of
-# its overlap (benchmarks/diagnostics/probe_pipeline.py). So the marker right after a copy or memset
+# for the copy engines; that cost a 4-stream copy/kernel pipeline a tenth of its overlap
+# (benchmarks/diagnostics/probe_pipeline.py). So the marker right after a copy or memset
 # is a recorded driver event, and other streams wait on that event, not on the counter.
 
 
@@ -607,7 +607,7 @@ def test_other_streams_wait_on_the_marker_event_else_on_the_counter(marked) -> N
 
 
 def test_a_wait_for_a_finished_copy_never_waits_on_a_counter_marker_held_back(marked) -> None:
-    """The soak deadlocked on the H200 when this was wrong: the copy's marker event
+    """The soak deadlocked on a GPU when this was wrong: the copy's marker event
     had finished and gone back, the next counter marker sat behind held host work,
     and another stream waited on the device for that counter."""
     s, driver, written = marked

@@ -600,8 +600,8 @@ def test_cuda_stream_launch_takes_the_fast_path_or_hands_the_launch_to_launch(
 
 
 # -- the marker after an eager launch as a driver event --------------------------------
-# cuStreamWriteValue64 cost the H200's host 1.45 us a call, cuEventRecord 0.49 us
-# (benchmarks/diagnostics/probe_driver.py, 2026-12-04): the eager marker after a launch is an event.
+# cuStreamWriteValue64 costs the host about three times cuEventRecord
+# (benchmarks/diagnostics/probe_driver.py): the eager marker after a launch is an event.
 
 
 @pytest.fixture
@@ -679,7 +679,7 @@ def test_a_user_event_recorded_again_elsewhere_leaves_the_first_stream_retiring(
 ) -> None:
     """Recorded on B, then on A at a later sequence number: B's queue holds a
     point of its own, so B's later work still retires when B's counter passes it
-    (until 2026-12-04 the user event itself sat in B's queue with A's number,
+    (the user event itself once sat in B's queue with A's number,
     and B's retirement stopped there for good: later awaits on B hung)."""
     from asyncgpu._core.event import _UserEvent
 
