@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _config
 from .._accel import native
-from .event import _set_future, _TrioWaker
+from .event import _set_future, _trio_run_local, _trio_run_vars, _TrioWaker
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -610,20 +610,8 @@ class _TrioReactor(_Poller):
             self.kick = None
 
 
-_trio_reactor_var: Any = None  # a trio.lowlevel.RunVar, made on the first trio await
-
-
 def _trio_reactor(trio: Any) -> _TrioReactor:
-    global _trio_reactor_var
-    var = _trio_reactor_var
-    if var is None:
-        var = _trio_reactor_var = trio.lowlevel.RunVar("asyncgpu_reactor")
-    try:
-        return var.get()  # type: ignore[no-any-return]
-    except LookupError:
-        r = _TrioReactor(trio)
-        var.set(r)
-        return r
+    return _trio_run_local(trio, "asyncgpu_reactor", partial(_TrioReactor, trio))  # type: ignore[no-any-return]
 
 
 def trio_wait(
@@ -646,10 +634,9 @@ def trio_wait(
     usual case of ``_TrioReactor.add`` (behind the awaits pending on the same
     stream while the reactor runs) is inline, as in ``polled_future``."""
     lowlevel = sys.modules["trio"].lowlevel
-    var = _trio_reactor_var
     try:
-        reactor: _TrioReactor = var.get()  # type: ignore[union-attr]
-    except (LookupError, AttributeError):  # (AttributeError: no run has awaited yet)
+        reactor: _TrioReactor = _trio_run_vars["asyncgpu_reactor"].get()
+    except LookupError:  # (KeyError: no trio run has awaited yet; else not this run)
         reactor = _trio_reactor(sys.modules["trio"])
     if not reactor.pending and _lone(stream, ev, reactor) and not _spin(stream, ev, reactor):
         checkpoint = lowlevel.checkpoint

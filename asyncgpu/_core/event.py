@@ -23,12 +23,12 @@ waiter goes away, and a later await of the same event still works.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Generator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._accel import native
@@ -308,49 +308,57 @@ class _LoopWaiter:
 
 
 class _Inbox:
-    """The wake-ups that other threads hand one asyncio loop: the futures to
-    finish, and whether a loop callback to finish them is already on its way.
+    """The wake-ups that other threads hand one event loop (an asyncio loop, a
+    trio run): the waiters to finish there, and whether a callback to finish
+    them is already on its way.
 
-    Only the first wake-up of a burst calls ``call_soon_threadsafe`` (which
-    writes to the loop's self-pipe, a system call on the finishing thread);
-    those that come before that callback runs join it. A thread pool finishing
-    many small operations otherwise makes one system call, and hands the loop
-    one callback, per operation."""
+    Only the first wake-up of a burst schedules that callback (``send``:
+    ``call_soon_threadsafe``, or trio's ``TrioToken.run_sync_soon``, each of
+    which writes to the loop's wake-up pipe, a system call on the finishing
+    thread); those that come before it runs join it, and it finishes them in
+    the order they came (``finish`` each). A thread pool finishing many small
+    operations otherwise makes one system call, and hands the loop one
+    callback, per operation."""
 
-    __slots__ = ("__weakref__", "futs", "lock", "loop", "sent")
+    __slots__ = ("__weakref__", "finish", "items", "lock", "send", "sent")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        # (weakly: the inbox is the value of a dict weakly keyed by its loop)
-        self.loop = weakref.ref(loop)
+    def __init__(self, send: Callable[[Callable[[], None]], Any], finish: Callable[[Any], Any]):
+        self.send = send
+        self.finish = finish
         self.lock = threading.Lock()
-        self.futs: list[asyncio.Future[Any]] = []
+        self.items: list[Any] = []
         self.sent = False  # a drain callback is on its way to the loop
 
-    def put(self, fut: asyncio.Future[Any]) -> None:
-        """From any thread but the loop's: finish ``fut`` on the loop soon."""
+    def put(self, item: Any) -> None:
+        """From any thread: finish ``item`` on the loop soon."""
         with self.lock:
-            self.futs.append(fut)
+            self.items.append(item)
             if self.sent:
                 return
             self.sent = True
-        loop = self.loop()
         try:
-            if loop is None:
-                raise RuntimeError("the loop is gone")
-            loop.call_soon_threadsafe(self.drain)
-        except RuntimeError:  # the loop is closed: nobody is left to wake
+            self.send(self.drain)
+        except RuntimeError:  # the loop is closed or the run over: nobody to wake
             with self.lock:
-                self.futs.clear()
+                self.items.clear()
                 self.sent = False
 
     def drain(self) -> None:
-        """On the loop: finish every future handed in so far, in order."""
+        """On the loop: finish every waiter handed in so far, in order."""
         with self.lock:
-            futs = self.futs
-            self.futs = []
+            items = self.items
+            self.items = []
             self.sent = False
-        for fut in futs:
-            _set_future(fut)
+        finish = self.finish
+        for item in items:
+            finish(item)
+
+
+def _send_to_loop(ref: weakref.ReferenceType[asyncio.AbstractEventLoop], fn: Any) -> None:
+    loop = ref()
+    if loop is None:
+        raise RuntimeError("the loop is gone")
+    loop.call_soon_threadsafe(fn)
 
 
 _inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Inbox] = weakref.WeakKeyDictionary()
@@ -358,11 +366,13 @@ _last_inbox: tuple[Any, Any] = (None, None)  # (the loop of the latest lookup, i
 
 
 def _inbox_for(loop: asyncio.AbstractEventLoop) -> _Inbox:
+    """The inbox of an asyncio loop (which it refers to weakly: it is the value
+    of a dict weakly keyed by that loop)."""
     global _last_inbox
     with _lock_guard:
         inbox = _inboxes.get(loop)
         if inbox is None:
-            inbox = _inboxes[loop] = _Inbox(loop)
+            inbox = _inboxes[loop] = _Inbox(partial(_send_to_loop, weakref.ref(loop)), _set_future)
     _last_inbox = (loop, inbox)
     return inbox
 
@@ -392,10 +402,11 @@ class _TrioWaker:
     which leaves ``task`` None. (A ``trio.Event`` per await would do the same
     through a parking lot, at several times the cost per await.)"""
 
-    __slots__ = ("task",)
+    __slots__ = ("inbox", "task")
 
-    def __init__(self, task: Any) -> None:
+    def __init__(self, task: Any, inbox: _Inbox | None = None) -> None:
         self.task: Any = task
+        self.inbox = inbox  # the run's, for wake-ups from other threads
 
     def abort(self, raise_cancel: Any) -> Any:
         # Whoever holds this waker skips it when its event is done; trio raises
@@ -410,24 +421,50 @@ class _TrioWaker:
             self.task = None
             sys.modules["trio"].lowlevel.reschedule(task)
 
+    def done(self, _: DeviceEvent) -> None:
+        """The event's done callback, from any thread: wake on the run's thread."""
+        self.inbox.put(self)  # type: ignore[union-attr]
+
+
+# One trio.lowlevel.RunVar per object that each trio run gets its own of (the
+# run's inbox here, its reactor in the engine), made on first use.
+_trio_run_vars: dict[str, Any] = {}
+
+
+def _trio_run_local(trio: Any, name: str, make: Callable[[], Any]) -> Any:
+    """The current trio run's object called ``name``, ``make()`` on first use."""
+    var = _trio_run_vars.get(name)
+    if var is None:
+        var = _trio_run_vars.setdefault(name, trio.lowlevel.RunVar(name))
+    try:
+        return var.get()
+    except LookupError:
+        obj = make()
+        var.set(obj)
+        return obj
+
+
+def _trio_inbox(trio: Any) -> _Inbox:
+    """The inbox of the current trio run (through its token, from any thread;
+    ``trio.RunFinishedError`` once the run is over is a ``RuntimeError``)."""
+    return _trio_run_local(  # type: ignore[no-any-return]
+        trio,
+        "asyncgpu_inbox",
+        lambda: _Inbox(trio.lowlevel.current_trio_token().run_sync_soon, _TrioWaker.wake),
+    )
+
 
 def _trio_wait_pushed(ev: DeviceEvent, outcome: bool) -> Generator[Any, None, Any]:
     """The trio await of a push-completed event (the CPU device), as the iterator
     that the event's ``__await__`` hands trio: the task waits in
     ``trio.lowlevel.wait_task_rescheduled``, and the thread that finishes the
-    work reschedules it through the run's token (``TrioToken.run_sync_soon``,
-    trio's public way in from another thread). Returns the event's outcome
-    (``outcome``), else None."""
+    work reschedules it through the run's inbox (``TrioToken.run_sync_soon``,
+    trio's public way in from another thread, once per burst). Returns the
+    event's outcome (``outcome``), else None."""
     trio = sys.modules["trio"]
     lowlevel = trio.lowlevel
-    token = lowlevel.current_trio_token()
-    waker = _TrioWaker(lowlevel.current_task())
-
-    def done(_: DeviceEvent) -> None:
-        with contextlib.suppress(trio.RunFinishedError):  # the run is over: nobody to wake
-            token.run_sync_soon(waker.wake)
-
-    ev.add_done_callback(done)
+    waker = _TrioWaker(lowlevel.current_task(), _trio_inbox(trio))
+    ev.add_done_callback(waker.done)
     yield from lowlevel.wait_task_rescheduled(waker.abort).__await__()
     return ev._outcome() if outcome else None
 

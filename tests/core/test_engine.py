@@ -424,3 +424,48 @@ async def test_a_burst_of_cpu_completions_wakes_its_loop_once_in_completion_orde
         await asyncio.gather(*tasks)
         assert woke == list(range(20))
         assert first.query()
+
+
+def test_a_burst_of_cpu_completions_wakes_a_trio_run_once_in_completion_order() -> None:
+    """The same under trio: the run's inbox hands its first wake-up of a burst to
+    ``TrioToken.run_sync_soon``, the others join it, and every task wakes (in
+    the order trio picks for one batch of rescheduled tasks: it reverses some
+    batches on purpose)."""
+    trio = pytest.importorskip("trio")
+    trio_testing = pytest.importorskip("trio.testing")
+    from asyncgpu import DeviceContext
+    from asyncgpu._core.event import _trio_inbox
+
+    async def main() -> tuple[list[int], int]:
+        inbox = _trio_inbox(trio)
+        sent: list[object] = []
+        real = inbox.send
+
+        def counting(fn):  # type: ignore[no-untyped-def]
+            sent.append(fn)
+            return real(fn)
+
+        inbox.send = counting
+        gate = threading.Event()
+        woke: list[int] = []
+        with DeviceContext(api="cpu") as ctx:
+            ctx.enqueue_cpu_function(gate.wait)  # holds the stream's work back
+            evs = [ctx.enqueue_cpu_function(lambda i=i: i) for i in range(20)]
+
+            async def wait(i: int) -> None:
+                assert await evs[i] == i
+                woke.append(i)
+
+            async with trio.open_nursery() as nursery:
+                for i in reversed(range(20)):
+                    nursery.start_soon(wait, i)
+                await trio_testing.wait_all_tasks_blocked()  # every task awaits its event
+                gate.set()
+                evs[-1].synchronize()  # the run's thread is held while the pool finishes all
+                assert woke == []
+                bursts = len(sent)
+        return woke, bursts
+
+    woke, bursts = trio.run(main)
+    assert bursts == 1  # one wake-up for the whole burst
+    assert sorted(woke) == list(range(20))
