@@ -123,13 +123,25 @@ class _CpuPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a pool thread (in submission order, as threads free
-        up). ``fn`` handles its own errors: one that escapes is logged."""
+        up). ``fn`` handles its own errors: one that escapes is logged.
+
+        Where no thread can start and none is running (the interpreter is
+        shutting down: CPython 3.12.0 and 3.12.1 refuse new threads as soon as
+        the main thread has returned), the calling thread runs the queued work
+        itself, in order, rather than leave it to nobody."""
         with self._cond:
             self._work.append((fn, args))
             if len(self._work) > self._idle and self._threads < self._size + self._waits:
-                self._start()
-            elif self._idle:
-                self._cond.notify()
+                if self._start() or self._threads:
+                    return
+                stranded = list(self._work)
+                self._work.clear()
+            else:
+                if self._idle:
+                    self._cond.notify()
+                return
+        for item in stranded:
+            _run_item(item)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """``fn(*args)`` on a pool thread, its outcome in a ``Future``."""
@@ -152,13 +164,19 @@ class _CpuPool:
             if change > 0 and self._work and self._threads < self._size + self._waits:
                 self._start()
 
-    def _start(self) -> None:
-        """Under ``_cond``: start one more thread."""
+    def _start(self) -> bool:
+        """Under ``_cond``: start one more thread; False where the interpreter
+        refuses one (``RuntimeError``: it is shutting down)."""
         self._threads += 1
         t = threading.Thread(
             target=self._worker, name=f"asyncgpu-cpu_{self._threads - 1}", daemon=True
         )
-        t.start()
+        try:
+            t.start()
+        except RuntimeError:
+            self._threads -= 1
+            return False
+        return True
 
     def _worker(self) -> None:
         me = threading.get_ident()
@@ -171,10 +189,7 @@ class _CpuPool:
                     cond.wait()
                     self._idle -= 1
                 item = running[me] = work.popleft()
-            try:
-                item[0](*item[1])
-            except BaseException as e:  # the work items catch their own errors
-                _log.error("exception in CPU pool work %r", item[0], exc_info=e)
+            _run_item(item)
             del item  # (an idle thread keeps nothing alive)
 
     def _fork_child(self) -> _CpuPool:
@@ -186,6 +201,13 @@ class _CpuPool:
         pool._work.extend(self._running.values())
         pool._work.extend(self._work)
         return pool
+
+
+def _run_item(item: tuple[Callable[..., Any], tuple[Any, ...]]) -> None:
+    try:
+        item[0](*item[1])
+    except BaseException as e:  # the work items catch their own errors
+        _log.error("exception in CPU pool work %r", item[0], exc_info=e)
 
 
 def cpu_pool() -> _CpuPool:
