@@ -610,8 +610,11 @@ class _TrioReactor(_Poller):
             self.kick = None
 
 
+_REACTOR = "asyncgpu_reactor"  # (the name of the run's reactor among its run-locals)
+
+
 def _trio_reactor(trio: Any) -> _TrioReactor:
-    return _trio_run_local(trio, "asyncgpu_reactor", partial(_TrioReactor, trio))  # type: ignore[no-any-return]
+    return _trio_run_local(trio, _REACTOR, partial(_TrioReactor, trio))  # type: ignore[no-any-return]
 
 
 def trio_wait(
@@ -635,10 +638,10 @@ def trio_wait(
     stream while the reactor runs) is inline, as in ``polled_future``."""
     lowlevel = sys.modules["trio"].lowlevel
     try:
-        reactor: _TrioReactor = _trio_run_vars["asyncgpu_reactor"].get()
+        reactor: _TrioReactor = _trio_run_vars[_REACTOR].get()
     except LookupError:  # (KeyError: no trio run has awaited yet; else not this run)
         reactor = _trio_reactor(sys.modules["trio"])
-    if not reactor.pending and _lone(stream, ev, reactor) and not _spin(stream, ev, reactor):
+    if _lone(stream, ev, reactor) and not _spin(stream, ev, reactor):
         checkpoint = lowlevel.checkpoint
         deadline = _monotonic() + TRIO_SPIN_S
         reactor.polling += 1  # (so the run's other awaiters go to the reactor)

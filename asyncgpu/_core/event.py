@@ -320,35 +320,33 @@ class _Inbox:
     operations otherwise makes one system call, and hands the loop one
     callback, per operation."""
 
-    __slots__ = ("__weakref__", "finish", "items", "lock", "send", "sent")
+    __slots__ = ("finish", "items", "lock", "send")
 
     def __init__(self, send: Callable[[Callable[[], None]], Any], finish: Callable[[Any], Any]):
         self.send = send
         self.finish = finish
         self.lock = threading.Lock()
+        # Waiters to finish; while not empty, a drain callback is on its way.
         self.items: list[Any] = []
-        self.sent = False  # a drain callback is on its way to the loop
 
     def put(self, item: Any) -> None:
         """From any thread: finish ``item`` on the loop soon."""
         with self.lock:
-            self.items.append(item)
-            if self.sent:
+            items = self.items
+            items.append(item)
+            if len(items) > 1:
                 return
-            self.sent = True
         try:
             self.send(self.drain)
         except RuntimeError:  # the loop is closed or the run over: nobody to wake
             with self.lock:
-                self.items.clear()
-                self.sent = False
+                self.items = []
 
     def drain(self) -> None:
         """On the loop: finish every waiter handed in so far, in order."""
         with self.lock:
             items = self.items
             self.items = []
-            self.sent = False
         finish = self.finish
         for item in items:
             finish(item)
